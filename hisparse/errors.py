@@ -1,0 +1,57 @@
+"""The exceptions every part of hisparse raises to its users.
+
+The daemon never raises these across the socket: it replies with an
+``ErrorCode`` (``hisparse.protocol``) and the client turns the code back into
+one of these classes with ``hisparse.protocol.error_for_code``.
+"""
+
+from __future__ import annotations
+
+
+class HisparseError(Exception):
+    """Base class of every error hisparse raises on purpose."""
+
+
+class DaemonUnavailable(HisparseError):
+    """No daemon answered on the socket within the call's timeout."""
+
+
+class ProtocolError(HisparseError):
+    """A frame was malformed, of another protocol version, or named an unknown op."""
+
+
+class LayoutMismatch(HisparseError):
+    """The namespace exists under another ``KVLayout``."""
+
+
+class CapacityError(HisparseError):
+    """A region could not be created within the daemon's capacity."""
+
+
+class InvalidArgument(HisparseError):
+    """A request was well formed but its values were not acceptable."""
+
+
+class LeaseExpired(HisparseError):
+    """The session is unknown to the daemon: it expired or the daemon restarted."""
+
+
+class Timeout(HisparseError):
+    """An operation did not complete within its deadline."""
+
+
+class PermissionDenied(HisparseError):
+    """An admin op was sent without the daemon's admin token."""
+
+
+__all__ = [
+    "CapacityError",
+    "DaemonUnavailable",
+    "HisparseError",
+    "InvalidArgument",
+    "LayoutMismatch",
+    "LeaseExpired",
+    "PermissionDenied",
+    "ProtocolError",
+    "Timeout",
+]
