@@ -1,0 +1,144 @@
+"""``hisparsectl``: ping, stats and clear a running hisparsed.
+
+``clear`` reads the admin token the daemon wrote beside its socket
+(``hisparsed.token``, readable only by the daemon's user and root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import zmq
+
+from hisparse import protocol
+from hisparse.errors import DaemonUnavailable, HisparseError
+from hisparse.layout import format_size
+
+
+def default_socket() -> str:
+    from hisparse.daemon.config import SYSTEM_SOCKET, embedded_socket_path
+
+    env = os.environ.get("HISPARSE_SOCKET")
+    if env:
+        return env
+    return SYSTEM_SOCKET if os.path.exists(SYSTEM_SOCKET) else embedded_socket_path()
+
+
+class Control:
+    """A one-shot admin connection: hello without a namespace, then requests."""
+
+    def __init__(self, socket_path: str, timeout_s: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self.timeout_ms = int(timeout_s * 1000)
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect("ipc://" + os.path.abspath(socket_path))
+        self._next_id = 1
+        self.session: int | None = None
+
+    def call(self, op: protocol.Op, **fields: Any) -> dict[str, Any]:
+        rid = self._next_id
+        self._next_id += 1
+        if op not in protocol.SESSIONLESS_OPS:
+            if self.session is None:
+                self.session = self.call(protocol.Op.HELLO, client=f"hisparsectl pid {os.getpid()}")["session"]
+            fields["session"] = self.session
+        self._sock.send(protocol.encode_request(op, rid, **fields))
+        while True:
+            if not self._sock.poll(self.timeout_ms):
+                raise DaemonUnavailable(f"no answer from hisparsed on {self.socket_path} "
+                                        f"within {self.timeout_ms / 1000:.1f}s")
+            reply = protocol.decode_reply(self._sock.recv())
+            if reply.id == rid:
+                return reply.result()
+
+    def close(self) -> None:
+        if self.session is not None:
+            try:
+                self.call(protocol.Op.BYE)
+            except HisparseError:
+                pass
+        self._sock.close(linger=0)
+
+
+def read_token(socket_path: str, token_file: str | None) -> str:
+    path = token_file or os.path.join(os.path.dirname(os.path.abspath(socket_path)), "hisparsed.token")
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except PermissionError:
+        raise HisparseError(f"cannot read the admin token {path}: run as the daemon's user or root") from None
+    except FileNotFoundError:
+        raise HisparseError(f"no admin token at {path}: is hisparsed running on {socket_path}?") from None
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    d = stats["daemon"]
+    lines = [
+        f"hisparsed {d['version']} pid {d['pid']} up {d['uptime_s']:.0f}s, "
+        f"{d['sessions']} sessions, lease ttl {d['lease_ttl_s']}s",
+        f"regions: capacity {format_size(d['capacity_bytes'])}, "
+        f"used {format_size(d['allocated_bytes'])}, free {format_size(d['unallocated_bytes'])}, "
+        f"evictions {d['evicted_pages']}",
+        "",
+    ]
+    header = ("namespace", "pages", "committed", "bytes", "pinned", "writing", "free", "hit rate",
+              "evicted", "sessions")
+    rows = [header]
+    for name, ns in sorted(stats["namespaces"].items()):
+        rows.append((name, str(ns["num_pages"]), str(ns["committed_pages"]),
+                     format_size(ns["committed_bytes"]), str(ns["pinned_pages"]),
+                     str(ns["writing_pages"]), str(ns["free_pages"]),
+                     f"{100 * ns['hit_rate']:.1f}%", str(ns["evicted_pages"]), str(ns["sessions"])))
+    if len(rows) == 1:
+        lines.append("(no namespaces)")
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                               enumerate(zip(r, widths))).rstrip())
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hisparsectl", description="control a running hisparsed")
+    p.add_argument("--socket", metavar="PATH", help="default: $HISPARSE_SOCKET, /run/hisparsed/"
+                   "hisparsed.sock, or the embedded default")
+    p.add_argument("--token-file", metavar="PATH", help="default: hisparsed.token beside the socket")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("ping", help="is the daemon up")
+    st = sub.add_parser("stats", help="per-namespace and region counters")
+    st.add_argument("--json", action="store_true", help="machine-readable")
+    cl = sub.add_parser("clear", help="drop every committed page of a namespace")
+    cl.add_argument("namespace")
+    args = p.parse_args(argv)
+    socket_path = args.socket or default_socket()
+    ctl = Control(socket_path, args.timeout)
+    try:
+        if args.command == "ping":
+            r = ctl.call(protocol.Op.PING)
+            print(f"hisparsed {r['version']} (protocol {r['protocol']}) pid {r['pid']} "
+                  f"up {r['uptime_s']:.1f}s on {socket_path}")
+        elif args.command == "stats":
+            stats = ctl.call(protocol.Op.STATS)
+            print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_stats(stats))
+        elif args.command == "clear":
+            token = read_token(socket_path, args.token_file)
+            r = ctl.call(protocol.Op.CLEAR, namespace=args.namespace, token=token)
+            print(f"cleared {args.namespace!r}: {r['freed_pages']} pages freed, "
+                  f"{r['doomed_pages']} freed when their pins are released")
+        return 0
+    except HisparseError as exc:
+        print(f"hisparsectl: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        ctl.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""hisparsed's configuration: embedded defaults < TOML file < HISPARSED_* env < flags.
+
+Every key is validated once, here, with a message that names it; the rest of
+the daemon only sees the frozen ``Config``. ``systemd/hisparsed.toml`` is the
+documented example of every key.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from hisparse.errors import HisparseError, InvalidArgument
+from hisparse.layout import format_size, parse_size
+
+SYSTEM_SOCKET = "/run/hisparsed/hisparsed.sock"
+MIN_LEASE_TTL_S = 1.0
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class ConfigError(HisparseError):
+    """A configuration value is missing, unknown or invalid."""
+
+
+def embedded_socket_path() -> str:
+    """Where a daemon without a config listens: no root, no /run needed.
+
+    The client's default resolution (``hisparse.client``) ends at this same path.
+    """
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime) and os.access(runtime, os.W_OK):
+        return os.path.join(runtime, "hisparsed", "hisparsed.sock")
+    return os.path.join(tempfile.gettempdir(), f"hisparsed-{os.getuid()}", "hisparsed.sock")
+
+
+@dataclass(frozen=True)
+class NamespaceConfig:
+    capacity_bytes: int
+
+
+@dataclass(frozen=True)
+class Config:
+    socket: str = field(default_factory=embedded_socket_path)
+    shm_dir: str = "/dev/shm"
+    meta_dir: str | None = None  # None: shm_dir
+    capacity_bytes: int = 8 << 30  # all regions together
+    default_namespace_capacity_bytes: int = 1 << 30
+    namespaces: dict[str, NamespaceConfig] = field(default_factory=dict)
+    lease_ttl_s: float = 10.0
+    log_level: str = "INFO"
+    admin_token_file: str | None = None  # None: hisparsed.token beside the socket
+    fresh: bool = False  # flag only: drop every region and table left by an earlier run
+    config_file: str | None = None
+
+    @property
+    def metadata_dir(self) -> str:
+        return self.meta_dir or self.shm_dir
+
+    @property
+    def token_path(self) -> str:
+        return self.admin_token_file or os.path.join(os.path.dirname(self.socket), "hisparsed.token")
+
+    def summary(self) -> str:
+        """One line for the start-up log: the config in force."""
+        ns = ", ".join(f"{n}={format_size(c.capacity_bytes)}" for n, c in self.namespaces.items())
+        return (f"socket={self.socket} shm_dir={self.shm_dir} meta_dir={self.metadata_dir} "
+                f"capacity={format_size(self.capacity_bytes)} "
+                f"default_namespace_capacity={format_size(self.default_namespace_capacity_bytes)} "
+                f"lease_ttl={self.lease_ttl_s}s log_level={self.log_level} fresh={self.fresh} "
+                f"namespaces=[{ns}] config={self.config_file or '(embedded defaults)'}")
+
+
+# TOML key -> (Config field, parser). The same names are used by env (upper
+# case, HISPARSED_ prefix) and flags (--dashed-name).
+def _size(key: str, value: Any) -> int:
+    try:
+        size = parse_size(value)
+    except InvalidArgument as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    if size <= 0:
+        raise ConfigError(f"{key}: must be positive")
+    return size
+
+
+def _path(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: must be a non-empty path string, not {value!r}")
+    return os.path.abspath(os.path.expanduser(value))
+
+
+def _ttl(key: str, value: Any) -> float:
+    try:
+        ttl = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: must be a number of seconds, not {value!r}") from None
+    if isinstance(value, bool) or not ttl >= MIN_LEASE_TTL_S or ttl > 86_400:
+        raise ConfigError(f"{key}: must be between {MIN_LEASE_TTL_S} and 86400 seconds, not {value!r}")
+    return ttl
+
+
+def _level(key: str, value: Any) -> str:
+    if not isinstance(value, str) or value.upper() not in LOG_LEVELS:
+        raise ConfigError(f"{key}: must be one of {', '.join(LOG_LEVELS)}, not {value!r}")
+    return value.upper()
+
+
+_KEYS: dict[str, tuple[str, Any]] = {
+    "socket": ("socket", _path),
+    "shm_dir": ("shm_dir", _path),
+    "meta_dir": ("meta_dir", _path),
+    "capacity": ("capacity_bytes", _size),
+    "default_namespace_capacity": ("default_namespace_capacity_bytes", _size),
+    "lease_ttl": ("lease_ttl_s", _ttl),
+    "log_level": ("log_level", _level),
+    "admin_token_file": ("admin_token_file", _path),
+}
+RELOADABLE = ("lease_ttl_s", "log_level")
+
+
+def _namespaces(value: Any) -> dict[str, NamespaceConfig]:
+    if not isinstance(value, dict):
+        raise ConfigError("namespaces: must be a table of [namespaces.\"NAME\"] tables")
+    out = {}
+    for name, table in value.items():
+        where = f'namespaces."{name}"'
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: must be a table with a capacity")
+        unknown = set(table) - {"capacity"}
+        if unknown:
+            raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown key (known: capacity)")
+        if "capacity" not in table:
+            raise ConfigError(f"{where}.capacity: missing")
+        out[name] = NamespaceConfig(_size(f"{where}.capacity", table["capacity"]))
+    return out
+
+
+def _apply(cfg: Config, values: dict[str, Any], source: str) -> Config:
+    changes: dict[str, Any] = {}
+    for key, value in values.items():
+        if key == "namespaces":
+            changes["namespaces"] = _namespaces(value)
+            continue
+        if key not in _KEYS:
+            known = ", ".join(sorted([*_KEYS, "namespaces"]))
+            raise ConfigError(f"{source}: unknown key {key!r} (known: {known})")
+        name, parse = _KEYS[key]
+        changes[name] = parse(f"{source}: {key}", value)
+    return replace(cfg, **changes)
+
+
+def load_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+
+
+def from_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
+    out = {}
+    for key in _KEYS:
+        value = environ.get(f"HISPARSED_{key.upper()}")
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def build(config_file: str | None = None, env: dict[str, str] | None = None,
+          flags: dict[str, Any] | None = None, fresh: bool = False) -> Config:
+    """The config in force: defaults, then the file, then env, then flags."""
+    environ = os.environ if env is None else env
+    config_file = config_file or environ.get("HISPARSED_CONFIG") or None
+    cfg = Config()
+    if config_file:
+        cfg = _apply(cfg, load_file(config_file), os.path.basename(config_file))
+        cfg = replace(cfg, config_file=os.path.abspath(config_file))
+    cfg = _apply(cfg, from_env(environ), "environment")
+    cfg = _apply(cfg, {k: v for k, v in (flags or {}).items() if v is not None}, "flag")
+    return replace(cfg, fresh=fresh)
+
+
+def reload(current: Config) -> Config:
+    """What SIGHUP applies: the live-changeable keys from the file, env and flags as at start."""
+    if not current.config_file:
+        return current
+    fresh_cfg = _apply(Config(), load_file(current.config_file), os.path.basename(current.config_file))
+    return replace(current, **{name: getattr(fresh_cfg, name) for name in RELOADABLE})
+
+
+def field_names() -> list[str]:
+    return [f.name for f in fields(Config)]

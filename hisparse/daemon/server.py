@@ -1,0 +1,221 @@
+"""The daemon's loop: a ZeroMQ ROUTER on an ``ipc://`` socket, driven by asyncio.
+
+``dispatch`` turns one request frame into one reply frame and never raises:
+a ``WireError`` becomes its typed error reply, anything else ``INTERNAL``
+plus a logged traceback. The loop around it reads the ROUTER from the
+event loop's reader callback (no future per message), sends without ever
+blocking (a client that stops reading loses its replies, not the daemon
+its time), and runs the timers: lease reaper, watchdog, eviction log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+
+import zmq
+
+from hisparse import protocol
+from hisparse.daemon import notify
+from hisparse.daemon.handlers import HANDLERS, DaemonContext
+from hisparse.protocol import ErrorCode, Op, WireError
+
+log = logging.getLogger(__name__)
+
+REAP_INTERVAL_S = 0.2
+EVICTION_LOG_INTERVAL_S = 5.0
+MAX_BATCH = 256  # messages handled per reader callback before yielding to timers
+
+
+def dispatch(ctx: DaemonContext, frame: bytes) -> bytes:
+    """One request frame in, one reply frame out. Never raises."""
+    ctx.requests_total += 1
+    rid: int | None = None
+    try:
+        req = protocol.decode_request(frame)
+        rid = req.id
+        session = None
+        if req.op not in protocol.SESSIONLESS_OPS:
+            session = ctx.sessions.get(req.session)  # type: ignore[arg-type]
+            if session is None:
+                raise WireError(ErrorCode.UNKNOWN_SESSION,
+                                f"no session {req.session}: it expired, closed, or belongs to an "
+                                "earlier daemon; send hello again")
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s id=%s session=%s", req.op.value, rid, req.session)
+        return protocol.encode_ok(rid, HANDLERS[req.op](ctx, session, req))
+    except WireError as exc:
+        ctx.errors_total += 1
+        if rid is None:
+            rid = protocol.request_id(frame)
+        log.debug("refused request id=%s: %s %s", rid, exc.code.value, exc.message)
+        return protocol.encode_error(rid, exc.code, exc.message)
+    except Exception as exc:
+        ctx.errors_total += 1
+        log.error("internal error handling request id=%s", rid, exc_info=True)
+        return protocol.encode_error(rid if rid is not None else protocol.request_id(frame),
+                                     ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+class Server:
+    def __init__(self, ctx: DaemonContext, endpoint: str) -> None:
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.zmq = zmq.Context.instance()
+        self.sock = self.zmq.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 10_000)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # drop replies to vanished peers
+        self._stopping: asyncio.Event | None = None
+        self.stop_reason = ""
+        ctx.request_shutdown = self.stop
+
+    # -- lifecycle --
+
+    def bind(self) -> None:
+        self.sock.bind(self.endpoint)
+
+    def stop(self, reason: str) -> None:
+        if self._stopping is not None and not self._stopping.is_set():
+            self.stop_reason = reason
+            log.info("stopping: %s", reason)
+            self._stopping.set()
+
+    async def serve(self, on_ready=None) -> str:
+        loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        fd = self.sock.getsockopt(zmq.FD)
+        loop.add_reader(fd, self._on_readable)
+        loop.call_soon(self._on_readable)  # messages that arrived before the reader existed
+        for sig, reason in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
+            loop.add_signal_handler(sig, self.stop, reason)
+        loop.add_signal_handler(signal.SIGHUP, self._reload)
+        timers = [asyncio.create_task(self._reaper()), asyncio.create_task(self._eviction_log())]
+        wd = notify.watchdog_interval_s()
+        if wd:
+            timers.append(asyncio.create_task(self._watchdog(wd)))
+        if on_ready is not None:
+            timers.append(asyncio.create_task(on_ready()))
+        try:
+            await self._stopping.wait()
+        finally:
+            loop.remove_reader(fd)
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            for t in timers:
+                t.cancel()
+            await asyncio.gather(*timers, return_exceptions=True)
+        self._drain()
+        return self.stop_reason
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    # -- the data path --
+
+    def _on_readable(self) -> None:
+        sock = self.sock
+        try:
+            for _ in range(MAX_BATCH):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+            # ZeroMQ's fd is edge-triggered and a send can swallow the edge:
+            # ask the socket itself whether more is queued.
+            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                asyncio.get_running_loop().call_soon(self._on_readable)
+        except Exception:
+            log.error("error in the receive loop; serving on", exc_info=True)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        identity, body = frames[0], frames[1:]
+        # A DEALER sends [payload]; a REQ sends ["", payload]: answer in kind.
+        envelope: list[bytes] = []
+        if len(body) == 2 and body[0] == b"":
+            envelope, body = [b""], body[1:]
+        if len(body) != 1:
+            reply = protocol.encode_error(None, ErrorCode.PROTOCOL_ERROR,
+                                          f"expected one frame per request, got {len(body)}")
+        else:
+            reply = dispatch(self.ctx, body[0])
+        try:
+            self.sock.send_multipart([identity, *envelope, reply], zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("dropped a reply: the peer is not reading")
+        except zmq.ZMQError as exc:
+            log.debug("dropped a reply: %s", exc)
+
+    def _drain(self) -> None:
+        """Answer what is already queued before closing (SIGTERM drains)."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle_draining(frames)
+
+    def _handle_draining(self, frames: list[bytes]) -> None:
+        rid = protocol.request_id(frames[-1])
+        reply = protocol.encode_error(rid, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        try:
+            req = protocol.decode_request(frames[-1])
+            if req.op in (Op.BYE, Op.COMMIT, Op.ABORT, Op.UNPIN, Op.PING):
+                reply = dispatch(self.ctx, frames[-1])  # let in-flight work finish cleanly
+        except WireError:
+            pass
+        try:
+            self.sock.send_multipart([frames[0], *frames[1:-1], reply], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    # -- timers --
+
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(min(REAP_INTERVAL_S, self.ctx.sessions.lease_ttl_s / 4))
+            try:
+                for session, aborted, released in self.ctx.sessions.expire():
+                    log.warning("lease expired: %s silent for %.1fs; aborted %d reservations, "
+                                "released %d pins", session.describe(),
+                                self.ctx.sessions.lease_ttl_s, aborted, released)
+            except Exception:
+                log.error("error in the lease reaper; serving on", exc_info=True)
+
+    async def _eviction_log(self) -> None:
+        while True:
+            await asyncio.sleep(EVICTION_LOG_INTERVAL_S)
+            pending = self.ctx.evictions_since_log
+            for name, count in list(pending.items()):
+                log.info("evicted %d pages of %r in the last %.0fs", count, name,
+                         EVICTION_LOG_INTERVAL_S)
+            pending.clear()
+
+    async def _watchdog(self, interval_s: float) -> None:
+        while True:
+            notify.notify("WATCHDOG=1")
+            await asyncio.sleep(interval_s)
+
+    def _reload(self) -> None:
+        from hisparse.daemon import config as config_mod
+
+        try:
+            cfg = config_mod.reload(self.ctx.config)
+        except Exception as exc:
+            log.error("SIGHUP: config not reloaded: %s", exc)
+            return
+        self.ctx.config = cfg
+        self.ctx.sessions.lease_ttl_s = cfg.lease_ttl_s
+        logging.getLogger("hisparse").setLevel(cfg.log_level)
+        log.info("SIGHUP: reloaded lease_ttl=%ss log_level=%s", cfg.lease_ttl_s, cfg.log_level)
+        notify.notify("READY=1")
+
+
+def endpoint_for(path: str) -> str:
+    return "ipc://" + os.path.abspath(path)
