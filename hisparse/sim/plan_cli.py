@@ -1,0 +1,277 @@
+"""``hisparse plan``: parse the command line, run the capacity model and the
+simulation, print a table (or ``--json``), draw ``--plot``.
+
+Scenarios (``--scenario``): ``glm53-8xh200`` (the published setup, the
+default), ``glm53-8xh200-shared-pool`` (one hisparsed pool for 8 DP
+replicas against 8 private pools), ``glm5-1m`` (1M-token context, TP8
+against DP-attention). Flags override a scenario's inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from typing import Any
+
+from hisparse.sim import des, plan
+from hisparse.sim.presets import GiB, MODELS, SCENARIOS, HostConfig, Scenario
+
+PUBLISHED_C32 = {"baseline": (5.0, 6.0), "hisparse": (19.0, 25.0)}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hisparse plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenario", default="glm53-8xh200", choices=sorted(SCENARIOS))
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--plot", metavar="FILE.png", help="draw running requests against concurrency")
+    g = p.add_argument_group("overrides (default: the scenario's)")
+    g.add_argument("--model", choices=sorted(MODELS))
+    g.add_argument("--gpus", type=int)
+    g.add_argument("--hbm-gib", type=float, help="HBM per GPU")
+    g.add_argument("--weight-gb", type=float, help="whole checkpoint, 1e9 bytes")
+    g.add_argument("--tp", type=int)
+    g.add_argument("--dp", type=int)
+    g.add_argument("--kv-format", choices=("fp8_ds_mla", "bf16"))
+    g.add_argument("--gpu-memory-utilization", type=float)
+    g.add_argument("--workspace-gib", type=float)
+    g.add_argument("--mtp", type=int, help="MTP depth (speculative tokens)")
+    g.add_argument("--hot-rows", type=int, help="hot rows per layer per request")
+    g.add_argument("--host-gib", type=float, help="host memory for KV (both modes)")
+    g.add_argument("--sparse-gib", type=float, help="of it, hisparse's pool for running requests")
+    g.add_argument("--first-turn", type=int, help="tokens of a session's first prompt")
+    g.add_argument("--turn-increment", type=int, help="prompt growth per turn")
+    g.add_argument("--output", type=int, help="reply tokens per turn")
+    g.add_argument("--turns", type=int)
+    g.add_argument("--gap-s", type=float, help="mean tool/think gap between turns")
+    g.add_argument("--miss-rate", type=float, help="sparse-tier misses / selected rows")
+    g.add_argument("--concurrency", type=lambda s: tuple(int(x) for x in s.split(",")))
+    g.add_argument("--seed", type=int)
+    return p
+
+
+def _set(obj: Any, **changes: Any) -> Any:
+    changes = {k: v for k, v in changes.items() if v is not None}
+    return replace(obj, **changes) if changes else obj
+
+
+def scenario_from_args(a: argparse.Namespace) -> Scenario:
+    sc = SCENARIOS[a.scenario]
+    model = MODELS[a.model] if a.model else sc.model
+    if a.weight_gb is not None:
+        model = replace(model, weight_bytes=int(a.weight_gb * 1e9))
+    hbm = int(a.hbm_gib * GiB) if a.hbm_gib is not None else None
+    ws = int(a.workspace_gib * GiB) if a.workspace_gib is not None else None
+    sc = replace(
+        sc, model=model, node=_set(sc.node, gpus=a.gpus, hbm_bytes=hbm),
+        engine=_set(sc.engine, tp=a.tp, dp=a.dp, kv_format=a.kv_format, mtp_depth=a.mtp,
+                    gpu_memory_utilization=a.gpu_memory_utilization, workspace_bytes=ws,
+                    hot_rows=a.hot_rows),
+        workload=_set(sc.workload, first_turn_tokens=a.first_turn, turns=a.turns,
+                      turn_increment_tokens=a.turn_increment, output_tokens=a.output,
+                      gap_s=a.gap_s),
+        perf=_set(sc.perf, miss_rate=a.miss_rate),
+        concurrency=a.concurrency or sc.concurrency, seed=sc.seed if a.seed is None else a.seed)
+    if a.host_gib is not None or a.sparse_gib is not None:
+        host = int(a.host_gib * GiB) if a.host_gib is not None else (
+            sc.hisparse_host.park_bytes + sc.hisparse_host.sparse_bytes)
+        sparse = int(a.sparse_gib * GiB) if a.sparse_gib is not None else sc.hisparse_host.sparse_bytes
+        hs = sc.hisparse_host
+        sc = replace(sc, baseline_host=HostConfig(park_bytes=host),
+                     hisparse_host=replace(hs, park_bytes=host - (0 if hs.one_pool else sparse),
+                                           sparse_bytes=0 if hs.one_pool else sparse))
+    return sc
+
+
+def inputs(sc: Scenario) -> dict[str, Any]:
+    return {k: asdict(getattr(sc, k)) for k in
+            ("model", "node", "engine", "workload", "perf", "baseline_host", "hisparse_host")} | {
+        "seed": sc.seed, "warmup_s": sc.warmup_s, "horizon_s": sc.horizon_s}
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def arithmetic(sc: Scenario, tokens: int, users: int) -> tuple[plan.Capacity, list[str]]:
+    """The closed-form answer for requests of ``tokens`` tokens, as printed lines."""
+    m, n, e, perf = sc.model, sc.node, sc.engine, sc.perf
+    cap = plan.capacity(m, n, e, perf, tokens, sc.hisparse_host, users)
+    ml, il = plan.mla_layers(m, e), plan.indexer_layers(m, e)
+    row, mla, idx = plan.kv_row_bytes(e), plan.mla_bytes_per_token(m, e), plan.indexer_bytes_per_token(m, e)
+    rep = m.replicated_weight_bytes
+    hot, tail = e.hot_rows * mla, min(tokens, e.tail_tokens) * mla
+    distinct = m.topk_rows * (1 + e.mtp_depth * perf.draft_novelty)
+    lines = [
+        f"layout TP{e.tp} x DP{e.dp} on {n.gpus} GPUs; MLA KV replicated on each of a replica's {e.tp} TP ranks",
+        f"weights/GPU = {rep / 1e9:.0f} GB non-expert / TP{e.tp} + {(m.weight_bytes - rep) / 1e9:.0f} GB experts"
+        f" / {n.gpus} = {_gib(cap.weight_bytes_per_gpu)}",
+        f"KV budget/GPU = {e.gpu_memory_utilization} x {_gib(n.hbm_bytes)} - weights"
+        f" - workspace {_gib(e.workspace_bytes)} = {_gib(cap.kv_budget_bytes)}",
+        f"bytes/token = {ml} layers x {row} B + {il} indexer layers x 132 B = {mla:,} + {idx:,}"
+        f" = {mla + idx:,} B",
+        f"full residency: {tokens:,} tok x {mla + idx:,} B = {_gib(cap.full_request_bytes)}/request"
+        f" -> {e.dp} x floor(budget / that) = {cap.full_running} running",
+        f"hisparse HBM/request = indexer {_gib(tokens * idx)} + hot {e.hot_rows} rows x {mla:,} B"
+        f" {_gib(hot)} + tail {min(tokens, e.tail_tokens)} tok {_gib(tail)}"
+        f" = {_gib(cap.hisparse_request_bytes)} -> {cap.hisparse_hbm_running} by HBM",
+        f"hisparse host/request = ({tokens:,} - {e.tail_tokens}) tok x {mla:,} B"
+        f" = {_gib(cap.cold_request_bytes)} -> {cap.hisparse_host_running} by host"
+        f" -> {cap.hisparse_running} running",
+        f"host needed for {users} sessions: full residency {_gib(cap.full_host_bytes_needed)},"
+        f" hisparse {_gib(cap.hisparse_host_bytes_needed)}",
+        f"H2D/decode step = {perf.miss_rate:.0%} miss x {distinct:.0f} distinct rows x {ml} layers"
+        f" x {row} B = {cap.h2d_bytes_per_step / 1e6:.1f} MB/request/GPU"
+        f" = {cap.h2d_bytes_per_step / n.h2d_bytes_per_s * 1e3:.2f} ms at"
+        f" {n.h2d_bytes_per_s / 1e9:.0f} GB/s; {cap.h2d_s_per_step * 1e3:.1f} ms/step per GPU at"
+        f" {min(cap.hisparse_running, users)} running",
+    ]
+    return cap, lines
+
+
+def run_published(sc: Scenario) -> dict[str, Any]:
+    base = [des.simulate(sc, "full", c) for c in sc.concurrency]
+    hs = [des.simulate(sc, "hisparse", c) for c in sc.concurrency]
+    tokens = round(plan.mean_turn_tokens(sc.workload))
+    cap, _ = arithmetic(sc, tokens, max(sc.concurrency, default=1))
+    return {
+        "scenario": sc.name, "concurrency": list(sc.concurrency),
+        "baseline_running": [round(r.mean_running, 2) for r in base],
+        "hisparse_running": [round(r.mean_running, 2) for r in hs],
+        "baseline": [asdict(r) for r in base], "hisparse": [asdict(r) for r in hs],
+        "published_at_c32": PUBLISHED_C32, "capacity_at_mean_turn": asdict(cap),
+        "inputs": inputs(sc)}
+
+
+def print_published(sc: Scenario, out: dict[str, Any]) -> None:
+    wl = sc.workload
+    print(f"{sc.name}: {sc.description}")
+    print(f"workload: {wl.turns} turns, first {wl.first_turn_tokens:,} tokens, +{wl.turn_increment_tokens}"
+          f"/turn, {wl.output_tokens} out, gap {wl.gap_s} s; last turn {plan.final_tokens(wl):,} tokens")
+    for line in arithmetic(sc, round(plan.mean_turn_tokens(wl)), max(sc.concurrency))[1]:
+        print("  " + line)
+    print(f"\nsimulated num_requests_running (mean over {sc.horizon_s - sc.warmup_s:.0f} s after"
+          f" {sc.warmup_s:.0f} s warm-up)")
+    print(f"{'c':>4} {'baseline':>9} {'hisparse':>9} {'base turns/min':>15} {'hs turns/min':>13}"
+          f" {'hs step ms':>11}")
+    for c, b, h in zip(out["concurrency"], out["baseline"], out["hisparse"]):
+        print(f"{c:>4} {b['mean_running']:>9.2f} {h['mean_running']:>9.2f} {b['turns_per_min']:>15.1f}"
+              f" {h['turns_per_min']:>13.1f} {h['mean_step_s'] * 1e3:>11.1f}")
+    print(f"published at c=32: baseline 5-6, hisparse 19-25")
+
+
+def run_shared_pool(sc: Scenario) -> dict[str, Any]:
+    rows = []
+    for move in (0.0, sc.workload.move_prob, 1.0):
+        s = replace(sc, workload=replace(sc.workload, move_prob=move))
+        for shared in (True, False):
+            host = replace(s.hisparse_host, shared=shared)
+            for c in s.concurrency:
+                r = des.simulate(replace(s, hisparse_host=host), "hisparse", c)
+                rows.append({"pool": "shared" if shared else "per-replica", "move_prob": move} | asdict(r))
+    return {"scenario": sc.name, "rows": rows, "inputs": inputs(sc)}
+
+
+def print_shared_pool(sc: Scenario, out: dict[str, Any]) -> None:
+    print(f"{sc.name}: {sc.description}")
+    print(f"  {sc.engine.dp} replicas; host {_gib(sc.hisparse_host.park_bytes)} as one pool, or"
+          f" {sc.engine.dp} x {_gib(sc.hisparse_host.park_bytes // sc.engine.dp)};"
+          f" system prompt {sc.workload.shared_prefix_tokens:,} tokens")
+    print(f"{'pool':>12} {'move':>5} {'c':>4} {'running':>8} {'host hit':>9} {'turns/min':>10}"
+          f" {'turn s':>7}")
+    for r in out["rows"]:
+        print(f"{r['pool']:>12} {r['move_prob']:>5.2f} {r['users']:>4} {r['mean_running']:>8.2f}"
+              f" {r['host_hit_rate']:>9.1%} {r['turns_per_min']:>10.1f} {r['mean_turn_s']:>7.1f}")
+
+
+def run_long_context(sc: Scenario) -> dict[str, Any]:
+    tokens = sc.workload.first_turn_tokens + sc.workload.output_tokens
+    host = HostConfig(park_bytes=sc.baseline_host.park_bytes, one_pool=True)
+    layouts, summary = {}, []
+    # The scenario's model in full, then GLM-5.3 (22 indexer layers) for contrast.
+    models = [sc.model] + [MODELS["glm-5.3"]] * (sc.model.name != "glm-5.3")
+    for model in models:
+        for tp, dp in ((sc.node.gpus, 1), (1, sc.node.gpus)):
+            s = replace(sc, model=model, engine=replace(sc.engine, tp=tp, dp=dp), hisparse_host=host)
+            name = f"TP{tp}" if dp == 1 else f"DP{dp}-attention"
+            users = max(1, plan.capacity(s.model, s.node, s.engine, s.perf, tokens, host,
+                                         1).hisparse_running)
+            cap, lines = arithmetic(s, tokens, users)
+            fits = tokens * plan.full_bytes_per_token(model, s.engine) <= cap.kv_budget_bytes
+            lines.append(f"max_model_len {s.engine.max_model_len:,} under full residency: " + (
+                "fits" if fits else "vLLM refuses to start (one request exceeds the KV budget)"))
+            summary.append({"model": model.name, "layout": name, "full_running": cap.full_running,
+                            "hisparse_hbm_running": cap.hisparse_hbm_running,
+                            "hisparse_host_running": cap.hisparse_host_running,
+                            "hisparse_running": cap.hisparse_running})
+            if model is sc.model:
+                layouts[name] = {"capacity": asdict(cap), "arithmetic": lines}
+    return {"scenario": sc.name, "tokens": tokens, "layouts": layouts, "summary": summary,
+            "inputs": inputs(sc)}
+
+
+def print_long_context(sc: Scenario, out: dict[str, Any]) -> None:
+    print(f"{sc.name}: {sc.description}; {out['tokens']:,}-token requests,"
+          f" {_gib(sc.baseline_host.park_bytes)} host as one pool")
+    for name, lay in out["layouts"].items():
+        print(f"\n{sc.model.name} {name}:")
+        for line in lay["arithmetic"]:
+            print("  " + line)
+    print(f"\n{'model':>8} {'layout':>16} {'full':>5} {'hisparse':>9}  (HBM-bound, host-bound)")
+    for r in out["summary"]:
+        print(f"{r['model']:>8} {r['layout']:>16} {r['full_running']:>5} {r['hisparse_running']:>9}"
+              f"  ({r['hisparse_hbm_running']}, {r['hisparse_host_running']})")
+
+
+def plot(out: dict[str, Any], path: str) -> None:
+    import matplotlib  # optional dependency: pip install hisparse[plot]
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    c = out["concurrency"]
+    ax.plot(c, out["baseline_running"], "o-", label="full residency (offload parks idle sessions)")
+    ax.plot(c, out["hisparse_running"], "s-", label="hisparse (sparse tier in host memory)")
+    for (lo, hi), color in zip(PUBLISHED_C32.values(), ("C0", "C1")):
+        ax.fill_between([30.5, 33.5], lo, hi, color=color, alpha=0.25)
+    ax.plot([], [], " ", label="shaded: published range at c=32")
+    ax.set_xlabel("concurrent sessions (c)")
+    ax.set_ylabel("mean num_requests_running")
+    i = out["inputs"]
+    ax.set_title(f"{out['scenario']}: {i['model']['name']}, {i['node']['gpus']} GPUs,"
+                 f" TP{i['engine']['tp']}, MTP{i['engine']['mtp_depth']}")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+_RUNNERS = {
+    "glm53-8xh200-shared-pool": (run_shared_pool, print_shared_pool),
+    "glm5-1m": (run_long_context, print_long_context),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        sc = scenario_from_args(a)
+        run, show = _RUNNERS.get(sc.name, (run_published, print_published))
+        out = run(sc)
+    except ValueError as exc:
+        print(f"hisparse plan: {exc}", file=sys.stderr)
+        return 2
+    if a.plot:
+        if run is not run_published:
+            print("hisparse plan: --plot draws the concurrency sweep of glm53-8xh200", file=sys.stderr)
+            return 2
+        plot(out, a.plot)
+    if a.json:
+        json.dump(out, sys.stdout, indent=1)
+        print()
+    else:
+        show(sc, out)
+    return 0
