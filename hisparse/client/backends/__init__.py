@@ -1,0 +1,96 @@
+"""Device backends: how page bytes move between a tensor and a mapped region.
+
+A backend does two things, both between a tensor of logical pages
+(``[n, page_bytes]``, each page layer-major) and the region's layer-major
+layout (page ``p`` of layer ``l`` at ``l*N*bt*rb + p*bt*rb``):
+
+- ``scatter(region, page_ids, pages, rows)``: ``pages[rows[i]]`` -> page ``page_ids[i]``
+  (the copy inside ``store``, between reserve and commit);
+- ``gather(region, page_ids, out)``: page ``page_ids[i]`` -> ``out[i]``
+  (the copy inside ``load``, between pin and unpin).
+
+Both return only once the bytes have landed: ``store`` commits right after,
+``load`` unpins right after. ``cpu`` copies through views of the mapping;
+``cuda`` (cuda-python) registers the mapping with the driver and runs one
+gather/scatter kernel over its device-mapped (UVA) address.
+
+This module imports neither torch nor CUDA: the backends load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from hisparse.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
+
+    from hisparse.shm.region import RegionMap
+
+
+class Backend(Protocol):
+    name: str
+
+    def scatter(self, region: RegionMap, page_ids: np.ndarray, pages: torch.Tensor,
+                rows: np.ndarray) -> None: ...
+
+    def gather(self, region: RegionMap, page_ids: np.ndarray, out: torch.Tensor) -> None: ...
+
+
+def for_tensor(tensor: torch.Tensor) -> Backend:
+    """The backend for a tensor's device."""
+    kind = tensor.device.type
+    if kind == "cpu":
+        from hisparse.client.backends import cpu
+
+        return cpu.BACKEND
+    if kind == "cuda":
+        from hisparse.client.backends import cuda
+
+        return cuda.backend_for(tensor.device.index)
+    raise InvalidArgument(f"no hisparse backend for tensors on {tensor.device}")
+
+
+def copy_dtype(layer_page_bytes: int, *addresses: int) -> tuple[Any, int]:
+    """The widest element (torch dtype, its size) that tiles a page's layer rows.
+
+    Copy loops and kernels move 8-byte elements several times faster than
+    bytes; every address involved and the per-layer run must be multiples of
+    the element size, else bytes it is.
+    """
+    import torch
+
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if layer_page_bytes % size == 0 and all(a % size == 0 for a in addresses):
+            return dtype, size
+    return torch.uint8, 1
+
+
+def runs(page_ids: np.ndarray, rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """Split a copy into runs where both page ids and tensor rows are consecutive.
+
+    Returns ``(first_row, first_page, length)`` triples. Pages reserved
+    together are usually consecutive (the daemon hands out free pages in
+    order), and a run of ``k`` pages is one strided copy of ``L`` rows of
+    ``k*bt*rb`` bytes instead of ``k`` copies.
+    """
+    n = len(page_ids)
+    if n == 0:
+        return []
+    page_ids = np.asarray(page_ids, dtype=np.int64)
+    rows = np.asarray(rows, dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(page_ids) != 1) | (np.diff(rows) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [n]))
+    return [(int(rows[s]), int(page_ids[s]), int(e - s)) for s, e in zip(starts, ends)]
+
+
+def check_page_ids(page_ids: np.ndarray, num_pages: int) -> np.ndarray:
+    """Page ids as int64, every one inside the region (a bad id is a daemon bug)."""
+    ids = np.asarray(page_ids, dtype=np.int64)
+    if len(ids) and (ids.min() < 0 or ids.max() >= num_pages):
+        raise InvalidArgument(f"page id out of range 0..{num_pages - 1}: {ids.min()}..{ids.max()}")
+    return ids

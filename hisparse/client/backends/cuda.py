@@ -1,0 +1,278 @@
+"""CUDA backend on cuda-python: a registered region and one gather/scatter kernel per copy.
+
+The mapped region is registered with the driver once per process
+(``cuMemHostRegister``, portable and device-mapped) in chunks of at most
+``MAX_REGISTER_CHUNK_BYTES``: one call over ~64 GiB can fail, and pinning
+costs 0.25-0.5 s per GiB, so it is done once and kept for the life of the
+process. A failed registration raises ``CudaError``; there is no pageable
+fall-back, because an unregistered region would make every copy silently
+half as fast.
+
+Copies use the region's device address (UVA) as a torch CUDA tensor, built
+from ``__cuda_array_interface__`` without a copy, and move arbitrary page ids
+with one ``index_copy_`` (store) or ``index_select`` (load) kernel on a
+dedicated stream that waits for the caller's current stream. Each call
+synchronizes that stream before returning: ``store`` commits and ``load``
+unpins right after, so the bytes must have landed.
+
+Every driver call goes through ``check``. Importing this module needs
+neither a GPU nor cuda-python; using it without a driver raises ``CudaError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hisparse.client.backends import check_page_ids, copy_dtype
+from hisparse.errors import HisparseError
+from hisparse.layout import format_size
+
+if TYPE_CHECKING:
+    import torch
+
+    from hisparse.shm.region import RegionMap
+
+log = logging.getLogger(__name__)
+
+MAX_REGISTER_CHUNK_BYTES = 64 << 30
+
+
+class CudaError(HisparseError):
+    """A CUDA driver call failed, or no usable driver is present."""
+
+    def __init__(self, message: str, status: int | None = None, name: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.name = name
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise CudaError(f"cuda-python is not installed ({exc}); pip install 'hisparse[cuda]'") from None
+    return driver
+
+
+def describe(status: Any) -> tuple[str, str]:
+    """(name, description) of a CUresult; works without a loadable driver."""
+    cu = _driver()
+    try:
+        err, name = cu.cuGetErrorName(status)
+        err2, text = cu.cuGetErrorString(status)
+        if int(err) == 0 and int(err2) == 0:
+            return name.decode(), text.decode()
+    except Exception:  # the driver library itself may be missing
+        pass
+    try:
+        return cu.CUresult(int(status)).name, "(no driver to describe it)"
+    except ValueError:
+        return f"CUresult {int(status)}", "(unknown status)"
+
+
+def check(result: Any, what: str = "CUDA driver call") -> Any:
+    """Raise ``CudaError`` unless a cuda-python result is CUDA_SUCCESS; return its values.
+
+    cuda-python returns ``(status, *values)``; this returns ``None``, the one
+    value, or a tuple of them.
+    """
+    if isinstance(result, tuple):
+        status, values = result[0], result[1:]
+    else:
+        status, values = result, ()
+    if int(status) != 0:
+        name, text = describe(status)
+        raise CudaError(f"{what} failed: {name}: {text}", int(status), name)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def register_chunks(address: int, size_bytes: int,
+                    max_chunk_bytes: int = MAX_REGISTER_CHUNK_BYTES) -> list[tuple[int, int]]:
+    """``(address, size)`` of each registration call covering ``[address, address+size)``."""
+    if size_bytes <= 0:
+        raise ValueError(f"nothing to register: {size_bytes} bytes")
+    if max_chunk_bytes <= 0:
+        raise ValueError(f"chunk limit must be positive: {max_chunk_bytes}")
+    return [(address + off, min(max_chunk_bytes, size_bytes - off))
+            for off in range(0, size_bytes, max_chunk_bytes)]
+
+
+def init_driver(device_index: int) -> None:
+    """``cuInit`` and a current context on this thread (torch's primary context)."""
+    cu = _driver()
+    try:
+        status = cu.cuInit(0)
+    except HisparseError:
+        raise
+    except Exception as exc:  # cuda-python raises its own types when libcuda is absent
+        raise CudaError(f"no CUDA driver: {exc}") from None
+    check(status, "cuInit")
+    ctx = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if ctx is None or int(ctx) == 0:
+        dev = check(cu.cuDeviceGet(device_index), "cuDeviceGet")
+        primary = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        check(cu.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+
+
+@dataclass(frozen=True)
+class Registration:
+    address: int
+    size_bytes: int
+    device_address: int
+    chunks: tuple[tuple[int, int], ...]
+
+
+# Host address -> registration. Kept for the life of the process, together
+# with the RegionMap it belongs to, so the mapping can never be unmapped
+# under a registration or a device view.
+_REGISTRY: dict[int, tuple[Registration, RegionMap]] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register(region: RegionMap, device_index: int = 0) -> Registration:
+    """Register the region's mapping once per process; returns its device address."""
+    address, size = region.address, region.geometry.size_bytes
+    with _REGISTRY_LOCK:
+        held = _REGISTRY.get(address)
+        if held is not None:
+            return held[0]
+        init_driver(device_index)
+        cu = _driver()
+        flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
+        chunks = register_chunks(address, size)
+        started = time.monotonic()
+        done: list[tuple[int, int]] = []
+        try:
+            for chunk_address, chunk_bytes in chunks:
+                check(cu.cuMemHostRegister(chunk_address, chunk_bytes, flags),
+                      f"cuMemHostRegister of {format_size(chunk_bytes)} at {chunk_address:#x}")
+                done.append((chunk_address, chunk_bytes))
+            device_addresses = [int(check(cu.cuMemHostGetDevicePointer(a, 0), "cuMemHostGetDevicePointer"))
+                                for a, _ in chunks]
+        except BaseException:
+            for chunk_address, _ in done:
+                cu.cuMemHostUnregister(chunk_address)  # best effort; the first error is what matters
+            raise
+        base = device_addresses[0]
+        for (chunk_address, _), dptr in zip(chunks, device_addresses):
+            # One tensor spans the region, so its device range must be contiguous
+            # too (it always is under UVA, where it equals the host range).
+            if dptr - base != chunk_address - address:
+                for a, _ in chunks:
+                    cu.cuMemHostUnregister(a)
+                raise CudaError("the region's device mapping is not contiguous across chunks")
+        reg = Registration(address, size, base, tuple(chunks))
+        _REGISTRY[address] = (reg, region)
+        log.info("registered region %s (%s) with CUDA in %d chunk(s) in %.2f s",
+                 region.path, format_size(size), len(chunks), time.monotonic() - started)
+        return reg
+
+
+class _DeviceArray:
+    """A device pointer wrapped for ``torch.as_tensor`` (CUDA Array Interface v3)."""
+
+    def __init__(self, device_address: int, shape: tuple[int, ...], typestr: str, owner: Any) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (device_address, False), "version": 3,
+                                         "strides": None}
+        self._owner = owner  # keeps the mapping alive while torch holds the tensor
+
+
+_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
+
+
+def device_view(region: RegionMap, device_index: int, offset_bytes: int, shape: tuple[int, ...],
+                itemsize: int = 1) -> torch.Tensor:
+    """A CUDA tensor over ``shape`` elements of the registered region from ``offset_bytes``."""
+    import torch
+
+    reg = register(region, device_index)
+    array = _DeviceArray(reg.device_address + offset_bytes, shape, _TYPESTR[itemsize], region)
+    # No device= here: as_tensor would copy to another device instead of failing.
+    tensor = torch.as_tensor(array)
+    if tensor.device.index != device_index:
+        raise CudaError(f"region is mapped for {tensor.device}, not cuda:{device_index}: "
+                        "one GPU per process is supported")
+    return tensor
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
+        self._stream: torch.cuda.Stream | None = None
+        self._lock = threading.Lock()
+
+    def _copy_stream(self) -> torch.cuda.Stream:
+        import torch
+
+        with self._lock:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=self.device_index)
+            return self._stream
+
+    def _shapes(self, region: RegionMap, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = region.geometry
+        dtype, size = copy_dtype(g.layout.layer_page_bytes, region.address, tensor.data_ptr())
+        width = g.layout.layer_page_bytes // size
+        view = device_view(region, self.device_index, 0, (g.layout.num_layers, g.num_pages, width), size)
+        pages = tensor.view(dtype).view(tensor.shape[0], g.layout.num_layers, width)
+        return view, pages
+
+    def scatter(self, region: RegionMap, page_ids: np.ndarray, pages: torch.Tensor,
+                rows: np.ndarray) -> None:
+        import torch
+
+        ids = check_page_ids(page_ids, region.geometry.num_pages)
+        view, src = self._shapes(region, pages)
+        stream = self._copy_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device_index))
+        with torch.cuda.stream(stream):
+            dev_ids = torch.from_numpy(ids).to(pages.device, non_blocking=False)
+            if not np.array_equal(rows, np.arange(len(ids))):
+                src = src.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(pages.device))
+            elif len(ids) != src.shape[0]:
+                src = src[:len(ids)]
+            view.transpose(0, 1).index_copy_(0, dev_ids, src)
+        stream.synchronize()
+
+    def gather(self, region: RegionMap, page_ids: np.ndarray, out: torch.Tensor) -> None:
+        import torch
+
+        ids = check_page_ids(page_ids, region.geometry.num_pages)
+        view, dst = self._shapes(region, out)
+        stream = self._copy_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device_index))
+        with torch.cuda.stream(stream):
+            dev_ids = torch.from_numpy(ids).to(out.device, non_blocking=False)
+            torch.index_select(view.transpose(0, 1), 0, dev_ids, out=dst[:len(ids)])
+        stream.synchronize()
+
+
+_BACKENDS: dict[int, CudaBackend] = {}
+
+
+def backend_for(device_index: int | None) -> CudaBackend:
+    if device_index is None:
+        import torch
+
+        device_index = torch.cuda.current_device()
+    backend = _BACKENDS.get(device_index)
+    if backend is None:
+        backend = _BACKENDS.setdefault(device_index, CudaBackend(device_index))
+    return backend
+
+
+def is_registered(region: RegionMap) -> bool:
+    """True when this process registered the region (it then stays mapped)."""
+    with _REGISTRY_LOCK:
+        return any(owner is region for _, owner in _REGISTRY.values())

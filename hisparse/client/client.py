@@ -1,0 +1,416 @@
+"""``attach()`` and ``Client``: an engine's handle on one namespace of the node's daemon.
+
+A ``Client`` holds one session (``hello``), keeps its lease with a heartbeat
+thread, and maps the namespace's region once per process. Every call is
+thread-safe. When the daemon answers ``UNKNOWN_SESSION`` (it restarted, or
+the lease ran out) the client says ``hello`` again with the same namespace
+and layout, remaps the region if it changed, and retries the call once; a
+call made while the daemon is away raises ``DaemonUnavailable`` within the
+client's timeout. Reservations and pins of a lost session are gone: ``store``
+and ``load`` redo their whole reserve/pin step, a ``Pin`` raises
+``LeaseExpired``.
+
+Page bytes never cross the socket: ``store`` is reserve -> copy into the
+region -> commit (abort on any failure in between, so no partial page is
+ever visible), ``load`` is pin -> copy out -> unpin.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hisparse.client import backends
+from hisparse.client.pins import Pin
+from hisparse.client.regions import acquire_region, release_region
+from hisparse.client.transport import Transport, default_socket_path
+from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired, Timeout
+from hisparse.layout import KVLayout, parse_size
+from hisparse.protocol import MAX_KEYS_PER_REQUEST, SLOT_BUSY, Op
+from hisparse.shm.region import RegionMap
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 5.0
+LOST_SESSION_RETRIES = 2  # a store/load redone after its session was lost mid-way
+BUSY_POLL_MIN_S = 0.001
+BUSY_POLL_MAX_S = 0.05
+
+
+@dataclass(frozen=True, eq=False)
+class _Session:
+    """One daemon session and the region it was told about; replaced whole on re-hello."""
+
+    id: int
+    region: RegionMap
+    region_key: tuple[str, int]
+    lease_ttl_s: float
+
+
+def attach(namespace: str, layout: KVLayout, socket: str | None = None,
+           capacity: int | str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+           name: str | None = None) -> Client:
+    """Open a session on ``namespace`` and map its region.
+
+    ``socket``: None for ``$HISPARSE_SOCKET``, else the system daemon's socket,
+    else the embedded default. ``capacity`` (bytes or e.g. ``"384GiB"``) sizes
+    the region if this attach creates the namespace. ``timeout_s`` bounds each
+    request. Raises ``DaemonUnavailable``, ``LayoutMismatch``, ``CapacityError``.
+    """
+    capacity_bytes = None if capacity is None else parse_size(capacity)
+    return Client(namespace, layout, socket or default_socket_path(), capacity_bytes,
+                  timeout_s=timeout_s, name=name)
+
+
+class Client:
+    """See ``attach``. Also a context manager (``close`` on exit)."""
+
+    def __init__(self, namespace: str, layout: KVLayout, socket_path: str,
+                 capacity_bytes: int | None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 name: str | None = None) -> None:
+        if not isinstance(layout, KVLayout):
+            raise InvalidArgument(f"layout must be a hisparse.KVLayout, not {type(layout).__name__}")
+        if timeout_s <= 0:
+            raise InvalidArgument(f"timeout_s must be positive, not {timeout_s}")
+        self.namespace = namespace
+        self.layout = layout
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self._capacity_bytes = capacity_bytes
+        self._name = f"pid {os.getpid()} {name or 'hisparse.client'}"
+        self._hello_lock = threading.Lock()
+        self._counters_lock = threading.Lock()
+        self.counters: dict[str, float] = dict.fromkeys(
+            ("lookups", "lookup_keys", "hit_keys", "stored_pages", "stored_bytes", "store_s",
+             "loaded_pages", "loaded_bytes", "load_s", "reconnects"), 0)
+        self._closed = False
+        self._transport = Transport(socket_path)
+        try:
+            self._session = self._hello()
+        except BaseException:
+            self._transport.close()
+            raise
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                           name=f"hisparse-heartbeat-{namespace[:32]}")
+        self._heartbeat.start()
+
+    # -- sessions --
+
+    def _hello(self) -> _Session:
+        body = self._transport.call(Op.HELLO, self.timeout_s, namespace=self.namespace,
+                                    layout=self.layout, capacity_bytes=self._capacity_bytes,
+                                    client=self._name)
+        region, key = acquire_region(body.get("region"), self.layout)
+        return _Session(int(body["session"]), region, key, float(body["lease_ttl_s"]))
+
+    def _rehello(self, lost: _Session) -> _Session:
+        with self._hello_lock:
+            if self._closed:
+                raise InvalidArgument("the client is closed")
+            if self._session is not lost:
+                return self._session  # another thread has already reconnected
+            fresh = self._hello()
+            self._session = fresh
+            release_region(lost.region_key)
+            self._count(reconnects=1)
+            log.info("session on %r lost (daemon restart or lease expiry); reattached as %#x",
+                     self.namespace, fresh.id)
+            return fresh
+
+    def _session_is_live(self, session: _Session) -> bool:
+        return not self._closed and self._session is session
+
+    def _current(self) -> _Session:
+        if self._closed:
+            raise InvalidArgument("the client is closed")
+        return self._session
+
+    def _call_in(self, session: _Session, op: Op, timeout_s: float | None = None,
+                 **fields: Any) -> dict[str, Any]:
+        """One request on ``session``; ``LeaseExpired`` when the daemon no longer knows it."""
+        return self._transport.call(op, timeout_s or self.timeout_s, session=session.id, **fields)
+
+    def _call(self, op: Op, timeout_s: float | None = None, **fields: Any) -> tuple[dict[str, Any], _Session]:
+        """One request on the current session, re-attaching once if the session was lost."""
+        session = self._current()
+        try:
+            return self._call_in(session, op, timeout_s, **fields), session
+        except LeaseExpired:
+            session = self._rehello(session)
+            return self._call_in(session, op, timeout_s, **fields), session
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._session.lease_ttl_s / 3):
+            try:
+                self._call(Op.HEARTBEAT, timeout_s=min(self.timeout_s, self._session.lease_ttl_s / 3))
+            except HisparseError as exc:
+                # The next beat (or the next call) tries again; calls raise on their own.
+                log.debug("heartbeat on %r failed: %s", self.namespace, exc)
+
+    def _count(self, **deltas: float) -> None:
+        with self._counters_lock:
+            for name, delta in deltas.items():
+                self.counters[name] += delta
+
+    # -- the API --
+
+    def lookup(self, keys: list[bytes]) -> int:
+        """How many leading keys are committed."""
+        keys = list(keys)
+        count = 0
+        for chunk in _chunks(keys):
+            n = int(self._call(Op.LOOKUP, keys=chunk)[0]["count"])
+            count += n
+            if n < len(chunk):
+                break
+        self._count(lookups=1, lookup_keys=len(keys), hit_keys=count)
+        return count
+
+    def store(self, keys: list[bytes], pages: torch.Tensor) -> int:
+        """Store pages for keys not yet committed; returns how many were newly written.
+
+        ``pages``: uint8 ``[len(keys), page_bytes]``, CPU or CUDA. Stops quietly
+        at the first key the region has no room for. Keys another session is
+        writing are waited for (bounded by ``timeout_s`` plus the lease ttl).
+        """
+        keys = list(keys)
+        if len(set(keys)) != len(keys):
+            raise InvalidArgument("store: a key is listed twice")
+        pages = _as_pages(pages, len(keys), self.layout.page_bytes, "pages", exact=True)
+        if not keys:
+            return 0
+        backend = backends.for_tensor(pages)
+        started = time.perf_counter()
+        written = 0
+        for start in range(0, len(keys), MAX_KEYS_PER_REQUEST):
+            chunk = keys[start:start + MAX_KEYS_PER_REQUEST]
+            n, full = self._store_chunk(chunk, pages[start:start + len(chunk)], backend)
+            written += n
+            if full:
+                break
+        self._count(stored_pages=written, stored_bytes=written * self.layout.page_bytes,
+                    store_s=time.perf_counter() - started)
+        return written
+
+    def _store_chunk(self, keys: list[bytes], pages: torch.Tensor,
+                     backend: backends.Backend) -> tuple[int, bool]:
+        todo = list(range(len(keys)))  # indices not yet committed by anyone, in key order
+        written, full, lost = 0, False, 0
+        busy_deadline = None
+        poll_s = BUSY_POLL_MIN_S
+        while todo:
+            body, session = self._call(Op.RESERVE, keys=[keys[i] for i in todo])
+            slots = body["slots"]
+            full = full or len(slots) < len(todo)
+            mine = [(todo[j], s) for j, s in enumerate(slots) if s >= 0]
+            busy = [todo[j] for j, s in enumerate(slots) if s == SLOT_BUSY]
+            if mine:
+                try:
+                    self._write(session, keys, pages, mine, backend)
+                except LeaseExpired:
+                    lost += 1
+                    if lost > LOST_SESSION_RETRIES:
+                        raise
+                    todo = sorted([i for i, _ in mine] + busy)  # reservations died with the session
+                    continue
+                written += len(mine)
+            if not busy:
+                break
+            # Another session (a TP rank storing the same chain) is writing these:
+            # wait for its commit, or for its abort (then they are reserved here).
+            now = time.monotonic()
+            if busy_deadline is None:
+                busy_deadline = now + self.timeout_s + session.lease_ttl_s
+            elif now > busy_deadline:
+                raise Timeout(f"store: {len(busy)} keys are still being written by another session")
+            time.sleep(poll_s)
+            poll_s = min(poll_s * 2, BUSY_POLL_MAX_S)
+            todo = busy
+        return written, full
+
+    def _write(self, session: _Session, keys: list[bytes], pages: torch.Tensor,
+               mine: list[tuple[int, int]], backend: backends.Backend) -> None:
+        """Copy reserved pages in and commit them; abort them on any failure before the commit."""
+        mine_keys = [keys[i] for i, _ in mine]
+        try:
+            backend.scatter(session.region, np.array([p for _, p in mine], dtype=np.int64), pages,
+                            np.array([i for i, _ in mine], dtype=np.int64))
+        except BaseException:
+            self._abort_quietly(session, mine_keys)
+            raise
+        for chunk in _chunks(mine_keys):
+            self._call_in(session, Op.COMMIT, keys=chunk)
+
+    def _abort_quietly(self, session: _Session, keys: list[bytes]) -> None:
+        try:
+            for chunk in _chunks(keys):
+                self._call_in(session, Op.ABORT, keys=chunk)
+        except HisparseError as exc:
+            # Unreachable daemon or lost session: the lease reaper aborts them instead.
+            log.warning("abort of %d reserved pages failed (%s); they expire with the lease",
+                        len(keys), exc)
+
+    def load(self, keys: list[bytes], out: torch.Tensor) -> int:
+        """Fill ``out[:m]`` with the pages of the committed prefix of ``keys``; returns ``m``.
+
+        ``out``: uint8 ``[>= len(keys), page_bytes]``, CPU or CUDA, rows contiguous.
+        """
+        keys = list(keys)
+        out = _as_pages(out, len(keys), self.layout.page_bytes, "out", exact=False)
+        if not keys:
+            return 0
+        backend = backends.for_tensor(out)
+        started = time.perf_counter()
+        for attempt in range(LOST_SESSION_RETRIES + 1):
+            session, pinned, page_ids = self._pin_prefix(keys)
+            if not pinned:
+                return 0
+            try:
+                backend.gather(session.region, page_ids, out[:len(pinned)])
+            except BaseException:
+                self._unpin_quietly(session, pinned)
+                raise
+            try:
+                self._unpin(session, pinned)
+            except LeaseExpired:
+                # The pins died with the session mid-copy: the pages may have been
+                # evicted and reused under us, so the copy is not trusted.
+                if attempt == LOST_SESSION_RETRIES:
+                    raise
+                continue
+            m = len(pinned)
+            self._count(loaded_pages=m, loaded_bytes=m * self.layout.page_bytes,
+                        load_s=time.perf_counter() - started)
+            return m
+        raise AssertionError("unreachable")
+
+    def pin(self, keys: list[bytes]) -> Pin:
+        """Pin the committed prefix of ``keys``; use as ``with c.pin(keys) as p:``."""
+        session, pinned, page_ids = self._pin_prefix(list(keys))
+        return Pin(self, session, pinned, page_ids.tolist())
+
+    def _pin_prefix(self, keys: list[bytes]) -> tuple[_Session, list[bytes], np.ndarray]:
+        """Pin the committed prefix, all under one session: (session, keys pinned, page ids)."""
+        for _ in range(LOST_SESSION_RETRIES + 1):
+            session: _Session | None = None
+            pages: list[int] = []
+            try:
+                for chunk in _chunks(keys):
+                    if session is None:
+                        body, session = self._call(Op.PIN, keys=chunk)
+                    else:
+                        body = self._call_in(session, Op.PIN, keys=chunk)
+                    pages.extend(body["pages"])
+                    if int(body["count"]) < len(chunk):
+                        break
+            except LeaseExpired:
+                continue  # lost between chunks: the pins taken so far are gone, start over
+            assert session is not None
+            return session, keys[:len(pages)], np.asarray(pages, dtype=np.int64)
+        raise LeaseExpired("pin: the session was lost repeatedly")
+
+    def _unpin(self, session: _Session, keys: list[bytes]) -> None:
+        for chunk in _chunks(keys):
+            self._call_in(session, Op.UNPIN, keys=chunk)
+
+    def _unpin_quietly(self, session: _Session, keys: list[bytes]) -> None:
+        try:
+            self._unpin(session, keys)
+        except HisparseError as exc:
+            log.warning("unpin of %d pages failed (%s); they are released with the lease", len(keys), exc)
+
+    def layer_rows(self, layer: int, device: Any = None) -> torch.Tensor:
+        """uint8 ``[N*block_tokens, row_bytes]``: one layer's slab of the region (no copy).
+
+        Host row id = ``page * block_tokens + t``. ``device="cuda"`` gives the
+        slab's device-mapped (UVA) view, registering the region on first use.
+        """
+        import torch
+
+        region = self._current().region
+        rows = region.layer_rows(layer)
+        if device is None or torch.device(device).type == "cpu":
+            return torch.from_numpy(rows)
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise InvalidArgument(f"layer_rows: no view for device {dev}")
+        from hisparse.client.backends import cuda
+
+        g = region.geometry
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return cuda.device_view(region, index, layer * g.layer_stride_bytes,
+                                (g.rows_per_layer, self.layout.row_bytes))
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's counters (``daemon``, ``namespaces``) and this client's (``client``)."""
+        body = dict(self._call(Op.STATS)[0])
+        with self._counters_lock:
+            body["client"] = dict(self.counters)
+        body["namespace"] = self.namespace
+        return body
+
+    @property
+    def num_pages(self) -> int:
+        return self._current().region.geometry.num_pages
+
+    def close(self) -> None:
+        """Say bye (releasing this session's pins and reservations) and stop the heartbeat."""
+        with self._hello_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=self.timeout_s)
+        session = self._session
+        try:
+            self._call_in(session, Op.BYE, timeout_s=min(self.timeout_s, 1.0))
+        except HisparseError as exc:
+            log.debug("bye failed (%s); the lease expires instead", exc)
+        self._transport.close()
+        release_region(session.region_key)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.namespace!r}, {self.layout}, socket={self.socket_path!r})"
+
+
+def _chunks(keys: list[bytes]) -> list[list[bytes]]:
+    return [keys[i:i + MAX_KEYS_PER_REQUEST] for i in range(0, len(keys), MAX_KEYS_PER_REQUEST)]
+
+
+def _as_pages(pages: Any, n: int, page_bytes: int, name: str, *, exact: bool) -> torch.Tensor:
+    """A uint8 ``[rows, page_bytes]`` tensor with contiguous rows, checked against ``n`` keys."""
+    import torch
+
+    if isinstance(pages, np.ndarray):
+        pages = torch.from_numpy(pages)
+    if not isinstance(pages, torch.Tensor):
+        raise InvalidArgument(f"{name} must be a torch.Tensor, not {type(pages).__name__}")
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != page_bytes:
+        raise InvalidArgument(f"{name} must be uint8 [rows, {page_bytes}], not {pages.dtype} "
+                              f"{list(pages.shape)}")
+    if (pages.shape[0] != n) if exact else (pages.shape[0] < n):
+        want = f"{n}" if exact else f"at least {n}"
+        raise InvalidArgument(f"{name} has {pages.shape[0]} rows for {n} keys; it needs {want}")
+    if pages.shape[0] > 1 and pages.stride(0) != page_bytes or pages.stride(1) != 1:
+        if not exact:
+            raise InvalidArgument(f"{name} must have contiguous rows to be written in place")
+        pages = pages.contiguous()  # a copy; stores of strided pages pay for it
+    return pages
+

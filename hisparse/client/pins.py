@@ -1,0 +1,94 @@
+"""``Pin``: the committed prefix of some keys, held against eviction.
+
+``Client.pin(keys)`` pins at once and returns a ``Pin``; leaving its
+``with`` block (or ``release()``) unpins. While it is held, ``view(i)`` is a
+strided view of page ``i`` in the mapped region, with no copy.
+
+Pins belong to the session that took them. If that session is lost (the
+daemon restarted, or the lease expired), the daemon has already dropped
+them and the pages may be evicted and rewritten: ``view`` then raises
+``LeaseExpired`` rather than hand out bytes that may no longer be the
+key's, and ``release`` has nothing left to do. Pin again to go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hisparse.errors import InvalidArgument, LeaseExpired
+
+if TYPE_CHECKING:
+    import torch
+
+    from hisparse.client.client import Client, _Session
+
+log = logging.getLogger(__name__)
+
+
+class Pin:
+    """Pinned pages of a key chain's committed prefix (``len(pin)`` of them)."""
+
+    def __init__(self, client: Client, session: _Session, keys: list[bytes], page_ids: list[int]) -> None:
+        self._client = client
+        self._session = session
+        self.keys = keys
+        self.page_ids = np.asarray(page_ids, dtype=np.int64)
+        self.page_ids.flags.writeable = False
+        self._released = False
+        self._lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        """Leading keys pinned: the committed prefix when the pin was taken."""
+        return len(self.page_ids)
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def held(self) -> bool:
+        """True while this pin is neither released nor lost with its session."""
+        return not self._released and self._client._session_is_live(self._session)
+
+    def _check_held(self) -> None:
+        if self._released:
+            raise InvalidArgument("this pin was released")
+        if not self._client._session_is_live(self._session):
+            raise LeaseExpired("the session that took this pin is gone (daemon restart or lease "
+                               "expiry); its pages may have been reused: pin again")
+
+    def view(self, i: int) -> torch.Tensor:
+        """uint8 ``[num_layers, block_tokens*row_bytes]``: page ``i`` in the region (no copy).
+
+        The view aliases shared memory that other engines read: never write to it.
+        """
+        import torch
+
+        self._check_held()
+        if not -self.count <= i < self.count:
+            raise IndexError(f"pin holds {self.count} pages, no page {i}")
+        pages = self._session.region.pages_view()
+        return torch.from_numpy(pages[:, int(self.page_ids[i]), :])
+
+    def release(self) -> None:
+        """Unpin (idempotent). Pins lost with their session need no unpin."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        if self.count and self._client._session_is_live(self._session):
+            self._client._unpin(self._session, self.keys)
+
+    def __enter__(self) -> Pin:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "held"
+        return f"Pin({self.count} pages, {state})"

@@ -1,0 +1,177 @@
+"""The client's end of the wire: one ZeroMQ DEALER, one request at a time.
+
+A ``Transport`` sends a request frame built by ``hisparse.protocol`` and
+waits for the reply with the same ``id``, within the call's timeout. Replies
+with another id are late answers to requests that timed out earlier; they are
+dropped. Nothing here knows about sessions: ``Client`` re-opens its session
+when a reply says ``UNKNOWN_SESSION``.
+
+Reconnection is ZeroMQ's: the DEALER reconnects to the ``ipc://`` endpoint by
+itself, backing off from ``RECONNECT_IVL_MS`` to ``RECONNECT_IVL_MAX_MS``
+while the daemon is away. ``ZMQ_IMMEDIATE`` keeps requests off a connection
+that is not up, so a request made while the daemon is away waits (bounded by
+its timeout) instead of being queued for a daemon that restarts later and
+knows nothing of the session it names.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import tempfile
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from hisparse import protocol
+from hisparse.errors import DaemonUnavailable, InvalidArgument
+from hisparse.protocol import Op
+
+log = logging.getLogger(__name__)
+
+SYSTEM_SOCKET_PATH = "/run/hisparsed/hisparsed.sock"  # where the systemd unit puts it
+SOCKET_ENV = "HISPARSE_SOCKET"
+SOCKET_NAME = "hisparsed.sock"
+
+RECONNECT_IVL_MS = 50
+RECONNECT_IVL_MAX_MS = 500  # a restarted daemon is found within half a second
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
+
+
+def embedded_default_socket_path() -> str:
+    """The socket a daemon without a config listens on, and clients fall back to.
+
+    ``$XDG_RUNTIME_DIR/hisparsed/hisparsed.sock`` when that directory exists and
+    is writable (a per-user tmpfs), else ``<tmp>/hisparsed-$UID/hisparsed.sock``.
+    The daemon's config applies the same rule (a test holds them together).
+    """
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime_dir and os.path.isdir(runtime_dir) and os.access(runtime_dir, os.W_OK):
+        return os.path.join(runtime_dir, "hisparsed", SOCKET_NAME)
+    return os.path.join(tempfile.gettempdir(), f"hisparsed-{os.getuid()}", SOCKET_NAME)
+
+
+def default_socket_path() -> str:
+    """The socket ``attach(socket=None)`` uses.
+
+    ``$HISPARSE_SOCKET``, else the system daemon's socket if it exists, else
+    the embedded default (``embedded_default_socket_path``).
+    """
+    from_env = os.environ.get(SOCKET_ENV)
+    if from_env:
+        return from_env
+    if os.path.exists(SYSTEM_SOCKET_PATH):
+        return SYSTEM_SOCKET_PATH
+    return embedded_default_socket_path()
+
+
+def endpoint_for(socket_path: str) -> str:
+    """``ipc://`` endpoint of a socket path; a path too long for a unix socket is refused here."""
+    if socket_path.startswith("ipc://"):
+        socket_path = socket_path[len("ipc://"):]
+    if not socket_path:
+        raise InvalidArgument("empty socket path")
+    if len(os.fsencode(socket_path)) > UNIX_PATH_MAX:
+        raise InvalidArgument(
+            f"socket path is {len(socket_path)} bytes; unix sockets allow {UNIX_PATH_MAX}: {socket_path}")
+    return "ipc://" + socket_path
+
+
+class Transport:
+    """A DEALER connected to one daemon socket; thread-safe, one request in flight."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self.endpoint = endpoint_for(socket_path)
+        self._lock = threading.Lock()
+        # A random start keeps ids of two transports in one process apart in
+        # the daemon's logs; uniqueness within this DEALER is all that matters.
+        self._ids = itertools.count(int.from_bytes(os.urandom(3), "little") + 1)
+        self._closed = False
+        self._sock = self._open_socket()
+
+    def _open_socket(self) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES * 2)
+        sock.connect(self.endpoint)
+        return sock
+
+    def call(self, op: Op, timeout_s: float, **fields: Any) -> dict[str, Any]:
+        """Send one request and return its reply's ``ok`` body.
+
+        Raises ``DaemonUnavailable`` when no reply came within ``timeout_s``,
+        or the ``HisparseError`` that an error reply names.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            if self._closed:
+                raise DaemonUnavailable(f"transport to {self.socket_path} is closed")
+            rid = next(self._ids)
+            frame = protocol.encode_request(op, rid, **fields)
+            self._send(frame, op, deadline)
+            reply = self._receive(rid, op, deadline)
+        return reply.result()
+
+    def _send(self, frame: bytes, op: Op, deadline: float) -> None:
+        while True:
+            try:
+                self._sock.send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            # No connection is up (daemon away or restarting): wait for one.
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLOUT):
+                raise DaemonUnavailable(
+                    f"no daemon is listening on {self.socket_path} ({op.value} not sent)")
+
+    def _receive(self, rid: int, op: Op, deadline: float) -> protocol.Reply:
+        while True:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLIN):
+                raise DaemonUnavailable(
+                    f"the daemon on {self.socket_path} did not answer {op.value} in time")
+            reply = protocol.decode_reply(self._sock.recv())
+            if reply.id == rid:
+                return reply
+            # The answer to a request that timed out before: nobody waits for it.
+            log.debug("dropping a stale reply %s while waiting for %s", reply.id, rid)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._sock.close(linger=0)
+
+
+def ping(socket_path: str, timeout_s: float = 1.0) -> dict[str, Any]:
+    """One ``ping`` on a fresh transport: the daemon's version, pid and uptime."""
+    transport = Transport(socket_path)
+    try:
+        return transport.call(Op.PING, timeout_s)
+    finally:
+        transport.close()
+
+
+def wait_for_daemon(socket_path: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Ping until the daemon answers; raises ``DaemonUnavailable`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    transport = Transport(socket_path)
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DaemonUnavailable(f"no daemon answered on {socket_path} within {timeout_s} s")
+            try:
+                return transport.call(Op.PING, min(remaining, 0.5))
+            except DaemonUnavailable:
+                continue
+    finally:
+        transport.close()
