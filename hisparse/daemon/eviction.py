@@ -1,109 +1,100 @@
 """Least-recently-used eviction over one region's pages: pure, no I/O.
 
-An exact LRU that costs one array store per touch and about 21 bytes per
-page, where an ``OrderedDict`` costs ~100 bytes and a linked list re-links
-on every hit. Pages wait in a FIFO ring, each with the stamp it was queued
-at. A touch only writes the page's last-used stamp. When the page reaches
-the head of the ring, it is the least recently used page if and only if it
-was not used since it was queued; otherwise it is queued again at its
-last-used stamp. Every page behind the head was queued later, so no page
-left in the ring was used before the head: the victim is exact, and each
-touch costs at most one re-queue, later.
+An exact LRU at 8 bytes per page whose touch is one array store: a linked
+list (or ``OrderedDict``) re-links on every hit and costs ~100 bytes a page.
 
-The owner says which pages may go (``evictable``): pinned pages are
-requeued as if just used, freed ones are dropped.
+Each page has a last-use stamp from a monotonic clock; pages that may not be
+evicted (free, being written, pinned) hold ``HELD``, above every stamp.
+Victims come from a batch of the oldest stamps, found with one vectorised
+``argpartition`` and sorted. A batch entry is still valid when its page's
+stamp is unchanged. The first valid entry is exactly the LRU page: when the
+batch was taken, every page outside it was at least as recent as every page
+in it, and since then stamps have only moved to the clock's present, newer
+than anything in the batch, so no page outside it can be older than a valid
+entry. When the batch runs out,
+a new one is taken: amortised O(N / batch) per eviction.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
 
-_KEEP = 0  # evictable() verdicts
-_DROP = 1  # not in the cache any more: forget it
-_BUSY = 2  # in use (pinned): treat as just used
+import numpy as np
+
+HELD = (1 << 64) - 1
+MIN_BATCH = 1024
+BATCH_FRACTION = 512  # batch = max(MIN_BATCH, N / BATCH_FRACTION)
 
 
-class LazyLRU:
-    KEEP = _KEEP
-    DROP = _DROP
-    BUSY = _BUSY
-
+class StampLRU:
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self.clock = 1
-        self._used = array("Q", bytes(8 * num_pages))
-        self._queued_at = array("Q", bytes(8 * num_pages))
-        self._in_ring = bytearray(num_pages)
-        self._ring = array("i", bytes(4 * num_pages))
-        self._head = 0
-        self._count = 0
+        self.stamps = array("Q", [HELD]) * num_pages
+        self._view = np.frombuffer(self.stamps, dtype=np.uint64)
+        self._batch = max(MIN_BATCH, num_pages // BATCH_FRACTION)
+        self._cand: list[int] = []
+        self._cand_stamps: list[int] = []
+        self._pos = 0
 
-    def __len__(self) -> int:
-        return self._count
+    def release(self, page: int) -> None:
+        """``page`` may be evicted from now on, as the most recently used (commit, last unpin)."""
+        self.stamps[page] = self.clock
+        self.clock += 1
 
-    def insert(self, page: int) -> None:
-        """``page`` joins the cache now (a commit): most recently used."""
-        now = self.clock
-        self.clock = now + 1
-        self._used[page] = now
-        if not self._in_ring[page]:
-            self._push(page, now)
+    def hold(self, page: int) -> None:
+        """``page`` may not be evicted (freed, pinned)."""
+        self.stamps[page] = HELD
+
+    def is_held(self, page: int) -> bool:
+        return self.stamps[page] == HELD
 
     def touch(self, page: int) -> None:
-        now = self.clock
-        self.clock = now + 1
-        self._used[page] = now
+        stamps = self.stamps
+        if stamps[page] != HELD:
+            stamps[page] = self.clock
+            self.clock += 1
 
     def touch_many(self, pages: list[int]) -> None:
-        """Touch in order: the last page is the most recent."""
-        used = self._used
+        """Touch in order: the last page ends up the most recent."""
+        stamps = self.stamps
         now = self.clock
         for page in pages:
-            used[page] = now
-            now += 1
+            if stamps[page] != HELD:
+                stamps[page] = now
+                now += 1
         self.clock = now
 
-    def last_used(self, page: int) -> int:
-        return self._used[page]
+    def pop_victim(self) -> int | None:
+        """The least recently used evictable page, now held; None when none is evictable."""
+        stamps = self.stamps
+        while True:
+            cand, cand_stamps = self._cand, self._cand_stamps
+            pos = self._pos
+            while pos < len(cand):
+                page = cand[pos]
+                pos += 1
+                if stamps[page] == cand_stamps[pos - 1]:
+                    self._pos = pos
+                    stamps[page] = HELD
+                    return page
+            self._pos = pos
+            if not self._refill():
+                return None
 
-    def pop_victim(self, verdict: Callable[[int], int]) -> int | None:
-        """The least recently used page that ``verdict`` lets go, removed; None if none.
-
-        ``verdict(page)`` answers KEEP (may be evicted), DROP (no longer
-        cached) or BUSY (pinned). Each queued page is looked at most twice,
-        so a region full of pinned pages answers None in bounded time.
-        """
-        budget = 2 * self._count + 1
-        while self._count and budget:
-            budget -= 1
-            page = self._pop()
-            v = verdict(page)
-            if v == _DROP:
-                continue
-            if v == _BUSY:
-                self.touch(page)
-                self._push(page, self._used[page])
-                continue
-            if self._used[page] > self._queued_at[page]:
-                self._push(page, self._used[page])
-                continue
-            return page
-        return None
-
-    def _push(self, page: int, stamp: int) -> None:
-        self._queued_at[page] = stamp
-        self._in_ring[page] = 1
-        self._ring[(self._head + self._count) % self.num_pages] = page
-        self._count += 1
-
-    def _pop(self) -> int:
-        page = self._ring[self._head]
-        self._head = (self._head + 1) % self.num_pages
-        self._count -= 1
-        self._in_ring[page] = 0
-        return page
+    def _refill(self) -> bool:
+        view = self._view
+        m = min(self._batch, self.num_pages)
+        idx = np.argpartition(view, m - 1)[:m] if m < self.num_pages else np.arange(self.num_pages)
+        st = view[idx]
+        live = st != HELD
+        idx, st = idx[live], st[live]
+        order = np.argsort(st, kind="stable")
+        self._cand = idx[order].tolist()
+        self._cand_stamps = st[order].tolist()
+        self._pos = 0
+        return bool(self._cand)
 
     @staticmethod
     def bytes_per_page() -> int:
-        return 8 + 8 + 1 + 4
+        return 8

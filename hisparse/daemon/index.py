@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import logging
 from array import array
+
+import numpy as np
 from dataclasses import dataclass, field
 
-from hisparse.daemon.eviction import LazyLRU
+from hisparse.daemon.eviction import StampLRU
 from hisparse.protocol import EVENT_COMMIT, EVENT_EVICT, SLOT_BUSY, SLOT_COMMITTED
 from hisparse.shm.table import COMMITTED, FREE, WRITING, MetaTable
 
@@ -86,8 +88,9 @@ class NamespaceIndex:
         self.state = bytearray(num_pages)
         self.pins = array("I", bytes(4 * num_pages))
         self.generation = array("I", bytes(4 * num_pages))
-        self.lru = LazyLRU(num_pages)
-        self.free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives page 0 first
+        self.lru = StampLRU(num_pages)
+        # A stack of free page ids; 4 bytes a page (a list would cost 40).
+        self.free = array("i", range(num_pages - 1, -1, -1))  # pop() gives page 0 first
         self.num_committed = 0
         self.num_writing = 0
         self.num_pinned_pages = 0
@@ -112,10 +115,11 @@ class NamespaceIndex:
             self.keys[key] = page
             self.state[page] = COMMITTED
             self.generation[page] = int(gens[page])
-            self.lru.insert(page)
+            self.lru.release(page)
         self.num_committed = len(self.keys)
-        taken = set(self.keys.values())
-        self.free = [p for p in range(self.num_pages - 1, -1, -1) if p not in taken]
+        taken = np.zeros(self.num_pages, dtype=bool)
+        taken[list(self.keys.values())] = True
+        self.free = array("i", np.flatnonzero(~taken)[::-1].astype(np.int32).tobytes())
         return self.num_committed, len(writing) + duplicates
 
     # -- reads --
@@ -176,7 +180,7 @@ class NamespaceIndex:
     def commit(self, key: bytes, page: int) -> None:
         self.table.set_state(page, COMMITTED)
         self.state[page] = COMMITTED
-        self.lru.insert(page)
+        self.lru.release(page)
         self.num_writing -= 1
         self.num_committed += 1
         self.counters.committed_pages += 1
@@ -199,11 +203,12 @@ class NamespaceIndex:
             if page is None or state[page] != COMMITTED:
                 break
             pages.append(page)
+        self.lru.touch_many(pages[::-1])
         for page in pages:
             if pins[page] == 0:
                 self.num_pinned_pages += 1
+                self.lru.hold(page)
             pins[page] += 1
-        self.lru.touch_many(pages[::-1])
         self.counters.pins += len(pages)
         return pages
 
@@ -215,6 +220,8 @@ class NamespaceIndex:
             if self.state[page] == DOOMED:
                 self.state[page] = FREE
                 self.free.append(page)
+            elif self.state[page] == COMMITTED:
+                self.lru.release(page)  # in use until now: the most recently used
 
     def clear(self) -> tuple[int, int]:
         """Drop every committed page: (freed now, doomed until unpinned). WRITING stays."""
@@ -224,6 +231,7 @@ class NamespaceIndex:
                 continue
             del self.keys[key]
             self.table.set_state(page, FREE)
+            self.lru.hold(page)
             self.events.append(EVENT_EVICT, key, page)
             if self.pins[page]:
                 self.state[page] = DOOMED
@@ -236,7 +244,7 @@ class NamespaceIndex:
         return freed, doomed
 
     def _evict_one(self) -> bool:
-        page = self.lru.pop_victim(self._verdict)
+        page = self.lru.pop_victim()
         if page is None:
             return False
         key = self.table.key_of(page)
@@ -248,13 +256,6 @@ class NamespaceIndex:
         self.counters.evicted_pages += 1
         self.events.append(EVENT_EVICT, key, page)
         return True
-
-    def _verdict(self, page: int) -> int:
-        if self.state[page] != COMMITTED:
-            return LazyLRU.DROP
-        if self.pins[page]:
-            return LazyLRU.BUSY
-        return LazyLRU.KEEP
 
     # -- mirror resync --
 

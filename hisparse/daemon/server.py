@@ -71,6 +71,7 @@ class Server:
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # drop replies to vanished peers
         self._stopping: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.stop_reason = ""
         ctx.request_shutdown = self.stop
 
@@ -80,32 +81,36 @@ class Server:
         self.sock.bind(self.endpoint)
 
     def stop(self, reason: str) -> None:
-        if self._stopping is not None and not self._stopping.is_set():
-            self.stop_reason = reason
-            log.info("stopping: %s", reason)
+        """Ask the loop to stop; safe from any thread."""
+        if self._stopping is None or self._stopping.is_set():
+            return
+        self.stop_reason = reason
+        log.info("stopping: %s", reason)
+        loop = self._loop
+        if loop is not None and loop.is_running() and not _in_loop_thread(loop):
+            loop.call_soon_threadsafe(self._stopping.set)
+        else:
             self._stopping.set()
 
-    async def serve(self, on_ready=None) -> str:
-        loop = asyncio.get_running_loop()
+    async def serve(self, on_ready=None, *, signals: bool = True) -> str:
+        loop = self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._on_readable)
         loop.call_soon(self._on_readable)  # messages that arrived before the reader existed
-        for sig, reason in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
-            loop.add_signal_handler(sig, self.stop, reason)
-        loop.add_signal_handler(signal.SIGHUP, self._reload)
-        timers = [asyncio.create_task(self._reaper()), asyncio.create_task(self._eviction_log())]
-        wd = notify.watchdog_interval_s()
-        if wd:
-            timers.append(asyncio.create_task(self._watchdog(wd)))
-        if on_ready is not None:
-            timers.append(asyncio.create_task(on_ready()))
+        if signals:  # only the main thread may; in-process tests run the loop elsewhere
+            for sig, reason in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
+                loop.add_signal_handler(sig, self.stop, reason)
+            loop.add_signal_handler(signal.SIGHUP, self._reload)
+        timers = [asyncio.create_task(self._reaper()), asyncio.create_task(self._eviction_log()),
+                  asyncio.create_task(self._ready_then_watchdog(on_ready))]
         try:
             await self._stopping.wait()
         finally:
             loop.remove_reader(fd)
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
+            if signals:
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    loop.remove_signal_handler(sig)
             for t in timers:
                 t.cancel()
             await asyncio.gather(*timers, return_exceptions=True)
@@ -197,8 +202,12 @@ class Server:
                          EVICTION_LOG_INTERVAL_S)
             pending.clear()
 
-    async def _watchdog(self, interval_s: float) -> None:
-        while True:
+    async def _ready_then_watchdog(self, on_ready) -> None:
+        """Announce readiness, then keep systemd's watchdog fed while this loop runs."""
+        if on_ready is not None:
+            await on_ready()
+        interval_s = notify.watchdog_interval_s()
+        while interval_s:
             notify.notify("WATCHDOG=1")
             await asyncio.sleep(interval_s)
 
@@ -215,6 +224,13 @@ class Server:
         logging.getLogger("hisparse").setLevel(cfg.log_level)
         log.info("SIGHUP: reloaded lease_ttl=%ss log_level=%s", cfg.lease_ttl_s, cfg.log_level)
         notify.notify("READY=1")
+
+
+def _in_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def endpoint_for(path: str) -> str:

@@ -1,0 +1,65 @@
+"""Config precedence and validation: every bad value names its key."""
+
+from __future__ import annotations
+
+import pytest
+
+from hisparse.daemon import config
+from hisparse.daemon.config import ConfigError
+
+EXAMPLE = "systemd/hisparsed.toml"
+
+
+def test_embedded_defaults_need_no_root(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    cfg = config.build(env={})
+    assert cfg.socket == str(tmp_path / "hisparsed" / "hisparsed.sock")
+    assert cfg.lease_ttl_s == 10.0 and cfg.shm_dir == "/dev/shm"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert "/hisparsed-" in config.build(env={}).socket
+
+
+def test_example_file_parses():
+    cfg = config.build(EXAMPLE, env={})
+    assert cfg.socket == config.SYSTEM_SOCKET
+    assert cfg.capacity_bytes == 512 << 30
+    assert cfg.namespaces["glm-5.3/fp8_ds_mla/tp8"].capacity_bytes == 384 << 30
+
+
+def test_flags_beat_env_beat_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('capacity = "1GiB"\nlease_ttl = 5\n')
+    env = {"HISPARSED_CAPACITY": "2GiB", "HISPARSED_LEASE_TTL": "3"}
+    cfg = config.build(str(f), env=env, flags={"capacity": "512MiB"})
+    assert cfg.capacity_bytes == 512 << 20 and cfg.lease_ttl_s == 3.0
+
+
+@pytest.mark.parametrize("text, key", [
+    ('capasity = "1GiB"', "capasity"),
+    ('capacity = "lots"', "capacity"),
+    ("lease_ttl = 0.5", "lease_ttl"),
+    ('log_level = "LOUD"', "log_level"),
+    ('[namespaces."m"]\nsize = 1', 'namespaces."m".size'),
+    ('[namespaces."m"]', 'namespaces."m".capacity'),
+    ("capacity = ", "c.toml"),
+])
+def test_bad_values_name_their_key(tmp_path, text, key):
+    f = tmp_path / "c.toml"
+    f.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config.build(str(f), env={})
+
+
+def test_bad_env_names_the_key():
+    with pytest.raises(ConfigError, match="lease_ttl"):
+        config.build(env={"HISPARSED_LEASE_TTL": "soon"})
+
+
+def test_reload_takes_only_live_keys(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('lease_ttl = 5\ncapacity = "1GiB"\n')
+    cfg = config.build(str(f), env={})
+    f.write_text('lease_ttl = 2\ncapacity = "9GiB"\nlog_level = "debug"\n')
+    new = config.reload(cfg)
+    assert new.lease_ttl_s == 2.0 and new.log_level == "DEBUG"
+    assert new.capacity_bytes == 1 << 30, "capacity cannot change live"

@@ -1,0 +1,81 @@
+"""StampLRU against a plain OrderedDict LRU: the same victims for any history."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hisparse.daemon import eviction
+from hisparse.daemon.eviction import StampLRU
+
+
+def test_victim_is_least_recently_used():
+    lru = StampLRU(4)
+    for page in (0, 1, 2, 3):
+        lru.release(page)
+    lru.touch(0)  # 1 is now the oldest
+    assert [lru.pop_victim() for _ in range(5)] == [1, 2, 3, 0, None]
+
+
+def test_held_pages_are_never_victims():
+    lru = StampLRU(3)
+    for page in (0, 1, 2):
+        lru.release(page)
+    lru.hold(0)  # pinned
+    assert lru.pop_victim() == 1
+    lru.touch(0)  # a touch must not make a held page evictable
+    assert lru.is_held(0)
+    assert lru.pop_victim() == 2
+    assert lru.pop_victim() is None
+
+
+def test_touch_many_orders_last_as_most_recent():
+    lru = StampLRU(3)
+    for page in (0, 1, 2):
+        lru.release(page)
+    lru.touch_many([2, 1, 0])  # 0 most recent, 2 oldest
+    assert [lru.pop_victim() for _ in range(3)] == [2, 1, 0]
+
+
+def test_release_after_batch_is_taken_is_newest(monkeypatch):
+    monkeypatch.setattr(eviction, "MIN_BATCH", 2)
+    lru = StampLRU(8)
+    for page in range(6):
+        lru.release(page)
+    assert lru.pop_victim() == 0  # batch holds pages 0, 1
+    lru.touch(1)  # invalidates the batch entry for 1
+    lru.release(7)
+    assert [lru.pop_victim() for _ in range(6)] == [2, 3, 4, 5, 1, 7]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4), st.lists(
+    st.tuples(st.sampled_from(["release", "touch", "hold", "evict"]), st.integers(0, 11)),
+    max_size=150))
+def test_matches_reference_lru(min_batch, ops):
+    eviction.MIN_BATCH, saved = min_batch, eviction.MIN_BATCH  # tiny batches force refills
+    try:
+        n = 12
+        lru = StampLRU(n)
+        ref: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
+        for op, page in ops:
+            if op == "release":
+                ref.pop(page, None)
+                ref[page] = None
+                lru.release(page)
+            elif op == "touch":
+                if page in ref:
+                    ref.move_to_end(page)
+                lru.touch(page)
+            elif op == "hold":
+                ref.pop(page, None)
+                lru.hold(page)
+            else:
+                want = next(iter(ref), None)
+                assert lru.pop_victim() == want
+                if want is not None:
+                    del ref[want]
+    finally:
+        eviction.MIN_BATCH = saved

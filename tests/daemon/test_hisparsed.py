@@ -1,0 +1,327 @@
+"""The real ``hisparsed`` in a subprocess: bad input, dead clients, restarts, systemd.
+
+Every test here talks to the daemon over its real socket, with raw frames
+where the test is about the wire, and maps the real region files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+
+from hisparse import KVLayout, protocol
+from hisparse.protocol import ErrorCode, Op
+from tests.conftest import ping
+from tests.rawclient import RawClient, keys_for
+
+LAYOUT = KVLayout(num_layers=3, block_tokens=4, row_bytes=16)  # 192-byte pages
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def clients():
+    made: list[RawClient] = []
+
+    def make(d, namespace: str | None = "ns", layout: KVLayout = LAYOUT,
+             capacity_bytes: int | None = 192 * 64) -> RawClient:
+        c = RawClient(d.socket)
+        made.append(c)
+        if namespace is not None:
+            c.hello(namespace, layout, capacity_bytes)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def page_bytes(tag: str, i: int) -> bytes:
+    import hashlib
+
+    seed = hashlib.sha256(f"{tag}{i}".encode()).digest()
+    return (seed * (LAYOUT.page_bytes // 32 + 1))[:LAYOUT.page_bytes]
+
+
+def pack(**msg) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def test_bad_input_gets_typed_errors_and_nobody_notices(hisparsed, clients):
+    victim, bystander = clients(hisparsed), clients(hisparsed)
+    k = keys_for("bystander", 4)
+    assert bystander.store(k, [page_bytes("b", i) for i in range(4)]) == 4
+    sid = victim.session
+    cases = [
+        (b"", ErrorCode.PROTOCOL_ERROR),
+        (b"\xc1\x00garbage", ErrorCode.PROTOCOL_ERROR),
+        (msgpack.packb([1, 2, 3]), ErrorCode.PROTOCOL_ERROR),
+        (pack(v=1, id=1, op="lookup", session=sid), ErrorCode.PROTOCOL_ERROR),  # missing keys
+        (pack(v=1, id=1, op="lookup", session=sid, keys=[1, 2]), ErrorCode.PROTOCOL_ERROR),
+        (pack(v=1, id="x", op="ping"), ErrorCode.PROTOCOL_ERROR),
+        (pack(v=1, id=1, op="defragment", session=sid), ErrorCode.UNKNOWN_OP),
+        (pack(v=99, id=1, op="ping"), ErrorCode.VERSION_MISMATCH),
+        (b"\x00" * (protocol.MAX_FRAME_BYTES + 1), ErrorCode.FRAME_TOO_LARGE),
+        (pack(v=1, id=1, op="lookup", session=sid, keys=[b""]), ErrorCode.INVALID_ARGUMENT),
+        (pack(v=1, id=1, op="lookup", session=sid, keys=[b"k" * 65]), ErrorCode.INVALID_ARGUMENT),
+        (pack(v=1, id=1, op="lookup", session=sid, keys=[b"k" * 36] * 1_000_000),
+         ErrorCode.FRAME_TOO_LARGE),
+        (pack(v=1, id=1, op="lookup", session=sid, keys=[b"k"] * 1_000_000),
+         ErrorCode.INVALID_ARGUMENT),
+        (pack(v=1, id=1, op="commit", session=sid, keys=[k[0]]), ErrorCode.NOT_HELD),
+        (pack(v=1, id=1, op="abort", session=sid, keys=[k[0]]), ErrorCode.NOT_HELD),
+        (pack(v=1, id=1, op="unpin", session=sid, keys=[k[0]]), ErrorCode.NOT_HELD),
+        (pack(v=1, id=1, op="lookup", keys=[k[0]]), ErrorCode.PROTOCOL_ERROR),  # no session
+        (pack(v=1, id=1, op="lookup", session=12345, keys=[k[0]]), ErrorCode.UNKNOWN_SESSION),
+        (pack(v=1, id=1, op="clear", session=sid, namespace="ns"), ErrorCode.PERMISSION_DENIED),
+        (pack(v=1, id=1, op="clear", session=sid, namespace="ns", token="guess"),
+         ErrorCode.PERMISSION_DENIED),
+        (pack(v=1, id=1, op="shutdown", session=sid), ErrorCode.PERMISSION_DENIED),
+        (pack(v=1, id=1, op="shutdown", session=sid, token=""), ErrorCode.PERMISSION_DENIED),
+        (pack(v=1, id=1, op="hello", namespace="ns", layout=KVLayout(3, 4, 8).to_wire()),
+         ErrorCode.LAYOUT_MISMATCH),
+    ]
+    for frame, code in cases:
+        reply = victim.send_raw(frame)
+        assert reply is not None, f"no reply to {frame[:40]!r}"
+        assert reply.error_code == code.value, (frame[:40], reply)
+        # the same session goes on
+        assert victim.call(Op.LOOKUP, keys=k) == {"count": 4}
+    assert victim.send_raw([b"two", b"frames"]).error_code == ErrorCode.PROTOCOL_ERROR.value
+    # the other session never noticed, and nothing committed was lost
+    assert bystander.call(Op.LOOKUP, keys=k) == {"count": 4}
+    for i in range(4):
+        pages = bystander.call(Op.PIN, keys=[k[i]])["pages"]
+        assert bystander.read_page(pages[0]) == page_bytes("b", i)
+    assert hisparsed.proc.poll() is None
+
+
+def test_namespaces_are_isolated_and_admin_sessions_see_no_region(hisparsed, clients):
+    a, b = clients(hisparsed, "model-a"), clients(hisparsed, "model-b")
+    k = keys_for("shared", 3)
+    a.store(k, [page_bytes("a", i) for i in range(3)])
+    assert b.call(Op.LOOKUP, keys=k) == {"count": 0}
+    assert a.hello_reply["region"]["path"] != b.hello_reply["region"]["path"]
+    admin = clients(hisparsed, None)
+    reply = admin.hello()
+    assert reply["region"] is None
+    assert admin.request(Op.LOOKUP, keys=k).error_code == ErrorCode.NOT_ATTACHED.value
+    stats = admin.call(Op.STATS)
+    assert stats["namespaces"]["model-a"]["committed_pages"] == 3
+    assert "path" not in json.dumps(stats), "only a namespace's own clients learn its region path"
+
+
+def test_capacity_is_shared_and_enforced(daemon_factory, clients):
+    d = daemon_factory(capacity="1MiB")
+    big = clients(d, "big", capacity_bytes=900 * 1024)
+    assert big.hello_reply["region"]["num_pages"] == 900 * 1024 // LAYOUT.page_bytes
+    c = RawClient(d.socket)
+    try:
+        reply = c.request(Op.HELLO, namespace="too-big", layout=LAYOUT, capacity_bytes=200 * 1024)
+        assert reply.error_code == ErrorCode.CAPACITY.value
+        # unsized: what is left, not a refusal
+        rest = c.call(Op.HELLO, namespace="rest", layout=LAYOUT)
+        assert rest["region"]["size_bytes"] <= 1024 * 1024 - 900 * 1024
+    finally:
+        c.close()
+
+
+def test_store_writes_what_fits_and_never_evicts_pinned_or_writing(hisparsed, clients):
+    c = clients(hisparsed, capacity_bytes=192 * 4)
+    a = keys_for("a", 4)
+    c.store(a[:2], [page_bytes("a", i) for i in range(2)])
+    c.call(Op.PIN, keys=a[:1])
+    slots = c.call(Op.RESERVE, keys=keys_for("b", 6))["slots"]
+    # 2 free pages + 1 evictable (a[1]); a[0] is pinned
+    assert len(slots) == 3 and all(s >= 0 for s in slots)
+    assert c.call(Op.LOOKUP, keys=a[:1]) == {"count": 1}
+    assert c.call(Op.RESERVE, keys=keys_for("c", 1))["slots"] == []
+
+
+_DOOMED_CLIENT = r"""
+import sys, time
+sys.path.insert(0, {repo!r})
+from tests.rawclient import RawClient, keys_for
+from hisparse import KVLayout
+from hisparse.protocol import Op
+c = RawClient({sock!r})
+c.hello("ns", KVLayout(3, 4, 16), 192 * 64)
+k = keys_for("dead", 6)
+c.store(k[:3], [bytes([i]) * 192 for i in range(3)])
+c.call(Op.PIN, keys=k[:3])
+c.call(Op.RESERVE, keys=k[3:])
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigkilled_client_releases_within_lease(daemon_factory, clients):
+    d = daemon_factory(lease_ttl=1.0)
+    proc = subprocess.Popen([sys.executable, "-c", _DOOMED_CLIENT.format(repo=REPO, sock=d.socket)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "holding"
+        observer = clients(d)
+        ns = observer.call(Op.STATS)["namespaces"]["ns"]
+        assert (ns["pinned_pages"], ns["writing_pages"]) == (3, 3)
+        proc.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        proc.wait(10)
+        while True:
+            ns = observer.call(Op.STATS)["namespaces"]["ns"]
+            if ns["pinned_pages"] == 0 and ns["writing_pages"] == 0:
+                break
+            assert time.monotonic() - killed_at < 1.0 + 1.0, "not released within lease_ttl + 1 s"
+            time.sleep(0.05)
+        k = keys_for("dead", 6)
+        assert observer.call(Op.LOOKUP, keys=k) == {"count": 3}, "committed pages stay"
+        assert observer.store(k[3:], [bytes([9]) * 192] * 3) == 3, "the aborted keys can be stored again"
+        assert "lease expired" in d.log()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigkilled_daemon_restarts_with_every_committed_page(daemon_factory, clients):
+    d = daemon_factory(lease_ttl=5)
+    c = clients(d)
+    k = keys_for("keep", 20)
+    pages = [page_bytes("keep", i) for i in range(20)]
+    c.store(k, pages)
+    c.call(Op.RESERVE, keys=keys_for("torn", 5))  # WRITING at the kill: must come back FREE
+    old_session = c.session
+    d.restart(kill=True)
+    assert "adopted namespace 'ns': 64 pages, 20 committed, 5 WRITING freed" in d.log()
+    c2 = clients(d)
+    assert c2.hello_reply["region"]["created"] is False
+    assert c2.hello_reply["region"]["region_id"] == c.hello_reply["region"]["region_id"]
+    assert c2.call(Op.LOOKUP, keys=k) == {"count": 20}
+    got = c2.call(Op.PIN, keys=k)["pages"]
+    for i, page in enumerate(got):
+        assert c2.read_page(page) == pages[i], f"page {i} changed across the restart"
+    ns = c2.call(Op.STATS)["namespaces"]["ns"]
+    assert ns["writing_pages"] == 0 and ns["free_pages"] == 64 - 20
+    # the old session belongs to the earlier run
+    assert c2.request(Op.LOOKUP, session=old_session, keys=k).error_code == ErrorCode.UNKNOWN_SESSION.value
+
+
+def test_clean_stop_exits_zero_and_fresh_starts_empty(daemon_factory, clients):
+    d = daemon_factory()
+    c = clients(d)
+    k = keys_for("x", 3)
+    c.store(k, [page_bytes("x", i) for i in range(3)])
+    assert d.stop(signal.SIGTERM) == 0
+    assert not os.path.exists(d.socket)
+    d.start()
+    assert clients(d).call(Op.LOOKUP, keys=k) == {"count": 3}
+    d.restart("--fresh")
+    c3 = clients(d)
+    assert c3.hello_reply["region"]["created"] is True
+    assert c3.call(Op.LOOKUP, keys=k) == {"count": 0}
+
+
+def test_a_second_daemon_on_the_same_socket_or_dir_is_refused(daemon_factory):
+    d = daemon_factory()
+    dup = subprocess.run([sys.executable, "-m", "hisparse.daemon.main", "--socket", d.socket,
+                          "--shm-dir", d.shm_dir + "-other"], capture_output=True, text=True, timeout=30)
+    assert dup.returncode == 1 and "another hisparsed is serving" in dup.stderr
+    dup = subprocess.run([sys.executable, "-m", "hisparse.daemon.main", "--socket", d.socket + "2",
+                          "--shm-dir", d.shm_dir], capture_output=True, text=True, timeout=30)
+    assert dup.returncode == 1 and "hisparsed.lock" in dup.stderr
+    shutil.rmtree(d.shm_dir + "-other", ignore_errors=True)
+    assert ping(d.socket) is not None
+
+
+def test_bad_config_names_the_key_and_exits_2(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("lease_ttl = 0.1\n")
+    r = subprocess.run([sys.executable, "-m", "hisparse.daemon.main", "--config", str(f)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "lease_ttl" in r.stderr
+
+
+def test_ready_is_sent_only_once_ping_answers(daemon_factory, tmp_path):
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(20)
+    try:
+        d = daemon_factory(start=False, env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"})
+        d.start(wait=False)
+        message = sock.recv(4096).decode()
+        assert "READY=1" in message and f"MAINPID={d.pid}" in message
+        assert ping(d.socket, timeout_s=0.2) is not None, "READY=1 before the socket answered"
+        assert sock.recv(4096) == b"WATCHDOG=1"
+        d.stop()
+        assert b"STOPPING=1" in sock.recv(4096)
+    finally:
+        sock.close()
+
+
+def test_sighup_reloads_lease_ttl_and_log_level(daemon_factory, tmp_path, clients):
+    cfg = tmp_path / "h.toml"
+    cfg.write_text("lease_ttl = 7\n")
+    d = daemon_factory(extra=("--config", str(cfg)))
+    c = clients(d)
+    assert c.hello_reply["lease_ttl_s"] == 7.0
+    cfg.write_text('lease_ttl = 3\nlog_level = "DEBUG"\n')
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while c.call(Op.HEARTBEAT)["lease_ttl_s"] != 3.0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert "SIGHUP: reloaded lease_ttl=3.0s log_level=DEBUG" in d.log()
+
+
+def hisparsectl(d, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hisparse.ctl", "--socket", d.socket, *args],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_hisparsectl_ping_stats_clear(hisparsed, clients):
+    c = clients(hisparsed, "glm/fp8")
+    k = keys_for("ctl", 5)
+    c.store(k, [page_bytes("c", i) for i in range(5)])
+    c.call(Op.LOOKUP, keys=k)
+    r = hisparsectl(hisparsed, "ping")
+    assert r.returncode == 0 and f"pid {hisparsed.pid}" in r.stdout
+    r = hisparsectl(hisparsed, "stats")
+    assert r.returncode == 0
+    assert "glm/fp8" in r.stdout and "hit rate" in r.stdout and "evictions" in r.stdout
+    stats = json.loads(hisparsectl(hisparsed, "stats", "--json").stdout)
+    assert stats["namespaces"]["glm/fp8"]["committed_pages"] == 5
+    assert stats["namespaces"]["glm/fp8"]["hit_rate"] == 1.0
+    r = hisparsectl(hisparsed, "clear", "glm/fp8")
+    assert r.returncode == 0 and "5 pages freed" in r.stdout
+    assert c.call(Op.LOOKUP, keys=k) == {"count": 0}
+    r = hisparsectl(hisparsed, "clear", "no-such")
+    assert r.returncode == 1 and "no namespace" in r.stderr
+
+
+def test_hisparsectl_reports_an_absent_daemon(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "hisparse.ctl", "--socket", str(tmp_path / "none.sock"),
+                        "--timeout", "0.3", "ping"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "no answer" in r.stderr
+
+
+def test_systemd_unit_verifies(tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.fail("systemd-analyze is missing: install Debian's systemd package (.ci/run does)")
+    unit = open(os.path.join(REPO, "systemd", "hisparsed.service")).read()
+    assert "Type=notify" in unit and "LimitMEMLOCK=infinity" in unit and "RuntimeDirectory=hisparsed" in unit
+    binary = shutil.which("hisparsed") or os.path.join(os.path.dirname(sys.executable), "hisparsed")
+    # Only the binary's path is changed: verify checks that ExecStart is executable.
+    (tmp_path / "hisparsed.service").write_text(unit.replace("/usr/local/bin/hisparsed", binary))
+    r = subprocess.run([analyze, "verify", str(tmp_path / "hisparsed.service")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "hisparsed.service" not in r.stderr, r.stderr

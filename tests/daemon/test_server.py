@@ -1,0 +1,123 @@
+"""The daemon in-process: the real Server loop on a temporary ipc:// socket, in a thread."""
+
+from __future__ import annotations
+
+import threading
+
+import msgpack
+import pytest
+import uvloop
+import zmq
+
+from hisparse import KVLayout, protocol
+from hisparse.daemon import config, handlers
+from hisparse.daemon.handlers import DaemonContext
+from hisparse.daemon.namespaces import Registry
+from hisparse.daemon.server import Server, endpoint_for
+from hisparse.daemon.sessions import SessionTable
+from hisparse.protocol import ErrorCode, Op
+from tests.rawclient import RawClient, keys_for
+
+
+@pytest.fixture
+def inproc(tmp_path):
+    cfg = config.build(env={}, flags={"socket": str(tmp_path / "s.sock"), "shm_dir": str(tmp_path / "shm"),
+                                      "capacity": "16MiB"})
+    (tmp_path / "shm").mkdir()
+    ctx = DaemonContext(cfg, Registry(cfg), SessionTable(5.0), admin_token="secret")
+    server = Server(ctx, endpoint_for(cfg.socket))
+    server.bind()
+    result: dict[str, str] = {}
+    started = threading.Event()
+
+    async def on_ready() -> None:
+        started.set()
+
+    thread = threading.Thread(
+        target=lambda: result.setdefault("reason", uvloop.run(server.serve(on_ready, signals=False))))
+    thread.start()
+    assert started.wait(10)
+    clients: list[RawClient] = []
+
+    def client() -> RawClient:
+        c = RawClient(cfg.socket, timeout_s=5)
+        clients.append(c)
+        return c
+
+    yield ctx, server, client, result
+    for c in clients:
+        c.close()
+    server.stop("test over")
+    thread.join(10)
+    server.close()
+
+
+def test_ping_and_hello(inproc):
+    ctx, _, client, _ = inproc
+    c = client()
+    assert c.call(Op.PING)["protocol"] == protocol.VERSION
+    r = c.hello("ns", KVLayout(2, 4, 8), capacity_bytes=64 * 10)
+    assert r["region"]["num_pages"] == 10 and r["region"]["created"] is True
+    assert client().hello("ns", KVLayout(2, 4, 8))["region"]["created"] is True  # same run, same region
+    assert len(ctx.registry.namespaces) == 1
+
+
+def test_internal_error_is_a_reply_and_the_loop_serves_on(inproc, monkeypatch):
+    _, _, client, _ = inproc
+    c = client()
+    c.hello("ns", KVLayout(2, 4, 8), capacity_bytes=640)
+
+    def broken(ctx, session, req):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(handlers.HANDLERS, Op.LOOKUP, broken)
+    reply = c.request(Op.LOOKUP, keys=keys_for("a", 1))
+    assert reply.error_code == ErrorCode.INTERNAL.value and "boom" in reply.error_message
+    assert c.call(Op.HEARTBEAT)["lease_ttl_s"] == 5.0
+
+
+def test_req_socket_envelope_is_answered_in_kind(inproc):
+    ctx, _, _, _ = inproc
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint_for(ctx.config.socket))
+        sock.send(protocol.encode_request(Op.PING, 9))
+        assert sock.poll(5000)
+        assert protocol.decode_reply(sock.recv()).id == 9
+    finally:
+        sock.close(linger=0)
+
+
+def test_multipart_request_is_refused(inproc):
+    _, _, client, _ = inproc
+    c = client()
+    reply = c.send_raw([b"a", b"b", b"c"])
+    assert reply is not None and reply.error_code == ErrorCode.PROTOCOL_ERROR.value
+    assert c.call(Op.PING)
+
+
+def test_shutdown_needs_the_token_then_stops_the_loop(inproc):
+    _, server, client, result = inproc
+    c = client()
+    c.hello()
+    assert c.request(Op.SHUTDOWN, token="wrong").error_code == ErrorCode.PERMISSION_DENIED.value
+    assert c.call(Op.SHUTDOWN, token="secret") == {}
+    deadline = 100
+    while "reason" not in result and deadline:
+        threading.Event().wait(0.05)
+        deadline -= 1
+    assert "shutdown requested" in result["reason"]
+
+
+def test_many_requests_in_flight_are_all_answered(inproc):
+    _, _, client, _ = inproc
+    c = client()
+    c.hello("ns", KVLayout(1, 1, 8), capacity_bytes=8 * 100)
+    for i in range(500):  # more than one reader batch
+        c.sock.send(protocol.encode_request(Op.LOOKUP, i, session=c.session, keys=keys_for("k", 4)))
+    seen = set()
+    while len(seen) < 500:
+        assert c.sock.poll(5000)
+        seen.add(msgpack.unpackb(c.sock.recv())["id"])
+    assert seen == set(range(500))

@@ -1,0 +1,104 @@
+"""Protocol round trips and rejections: every malformed frame gets its typed code."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from hisparse import KVLayout, errors, protocol
+from hisparse.protocol import ErrorCode, Op, WireError
+
+
+def pack(**msg) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def code_of(frame: bytes) -> ErrorCode:
+    with pytest.raises(WireError) as exc:
+        protocol.decode_request(frame)
+    return exc.value.code
+
+
+def test_every_op_round_trips():
+    layout = KVLayout(78, 64, 656)
+    hello = protocol.decode_request(protocol.encode_request(Op.HELLO, 1, namespace="m", layout=layout,
+                                                            capacity_bytes=1 << 30, client="x"))
+    assert (hello.namespace, hello.layout, hello.capacity_bytes) == ("m", layout, 1 << 30)
+    keys = [b"\x01" * 36, b"\x02"]
+    for op in (Op.LOOKUP, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN, Op.UNPIN):
+        req = protocol.decode_request(protocol.encode_request(op, 5, session=9, keys=keys))
+        assert (req.op, req.id, req.session, req.keys) == (op, 5, 9, tuple(keys))
+    for op in (Op.HEARTBEAT, Op.STATS, Op.BYE):
+        assert protocol.decode_request(protocol.encode_request(op, 2, session=3)).session == 3
+    ev = protocol.decode_request(protocol.encode_request(Op.EVENTS, 1, session=3, after=7, limit=10))
+    assert (ev.after, ev.limit) == (7, 10)
+    clear = protocol.decode_request(protocol.encode_request(Op.CLEAR, 1, session=3, token="t",
+                                                            namespace="m"))
+    assert (clear.token, clear.namespace) == ("t", "m")
+    assert set(protocol.REPLY_FIELDS) == set(Op)
+
+
+@pytest.mark.parametrize("frame, code", [
+    (b"", ErrorCode.PROTOCOL_ERROR),
+    (b"\xc1\xff", ErrorCode.PROTOCOL_ERROR),
+    (msgpack.packb([1, 2]), ErrorCode.PROTOCOL_ERROR),
+    (pack(v=1, id=1), ErrorCode.PROTOCOL_ERROR),  # no op
+    (pack(v=2, id=1, op="ping"), ErrorCode.VERSION_MISMATCH),
+    (pack(id=1, op="ping"), ErrorCode.VERSION_MISMATCH),
+    (pack(v=True, id=1, op="ping"), ErrorCode.VERSION_MISMATCH),
+    (pack(v=1, id="1", op="ping"), ErrorCode.PROTOCOL_ERROR),
+    (pack(v=1, id=1, op="explode"), ErrorCode.UNKNOWN_OP),
+    (pack(v=1, id=1, op=7), ErrorCode.PROTOCOL_ERROR),
+    (pack(v=1, id=1, op="lookup", keys=[b"k"]), ErrorCode.PROTOCOL_ERROR),  # no session
+    (pack(v=1, id=1, op="lookup", session="s", keys=[b"k"]), ErrorCode.PROTOCOL_ERROR),
+    (pack(v=1, id=1, op="lookup", session=1, keys=b"k"), ErrorCode.PROTOCOL_ERROR),
+    (pack(v=1, id=1, op="lookup", session=1, keys=["text"]), ErrorCode.PROTOCOL_ERROR),
+    (pack(v=1, id=1, op="lookup", session=1, keys=[b""]), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=1, id=1, op="lookup", session=1, keys=[b"x" * 65]), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=1, id=1, op="lookup", session=1, keys=[b"x"] * (protocol.MAX_KEYS_PER_REQUEST + 1)),
+     ErrorCode.INVALID_ARGUMENT),
+    (pack(v=1, id=1, op="clear", session=1, namespace="m"), ErrorCode.PERMISSION_DENIED),
+    (pack(v=1, id=1, op="shutdown"), ErrorCode.PERMISSION_DENIED),
+    (pack(v=1, id=1, op="hello", namespace="m"), ErrorCode.PROTOCOL_ERROR),  # no layout
+    (pack(v=1, id=1, op="hello", namespace="m", layout={"num_layers": 0, "block_tokens": 1,
+                                                         "row_bytes": 1}), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=1, id=1, op="hello", namespace="", layout={}), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=1, id=1, op="events", session=1, after=0, limit=0), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=1, id=1, op="keys", session=1, cursor=-1), ErrorCode.INVALID_ARGUMENT),
+])
+def test_rejections_have_typed_codes(frame, code):
+    assert code_of(frame) == code
+
+
+def test_oversized_frame_is_refused_before_decoding():
+    frame = b"\x00" * (protocol.MAX_FRAME_BYTES + 1)
+    assert code_of(frame) == ErrorCode.FRAME_TOO_LARGE
+    assert protocol.request_id(frame) is None
+
+
+def test_request_id_is_recovered_from_bad_requests():
+    assert protocol.request_id(pack(v=1, id=42, op="nope")) == 42
+    assert protocol.request_id(b"\xc1") is None
+
+
+def test_error_codes_map_to_the_contract_classes():
+    cases = {
+        ErrorCode.PROTOCOL_ERROR: errors.ProtocolError,
+        ErrorCode.LAYOUT_MISMATCH: errors.LayoutMismatch,
+        ErrorCode.CAPACITY: errors.CapacityError,
+        ErrorCode.INVALID_ARGUMENT: errors.InvalidArgument,
+        ErrorCode.NOT_HELD: errors.InvalidArgument,
+        ErrorCode.UNKNOWN_SESSION: errors.LeaseExpired,
+        ErrorCode.SHUTTING_DOWN: errors.DaemonUnavailable,
+    }
+    for code, cls in cases.items():
+        reply = protocol.decode_reply(protocol.encode_error(1, code, "m"))
+        with pytest.raises(cls):
+            reply.result()
+    assert isinstance(protocol.error_for_code("???", "m"), errors.ProtocolError)
+
+
+def test_replies_decode():
+    assert protocol.decode_reply(protocol.encode_ok(3, {"count": 2})).result() == {"count": 2}
+    with pytest.raises(errors.ProtocolError):
+        protocol.decode_reply(b"\xc1")
