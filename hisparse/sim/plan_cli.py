@@ -149,10 +149,12 @@ def print_published(sc: Scenario, out: dict[str, Any]) -> None:
     print(f"{sc.name}: {sc.description}")
     print(f"workload: {wl.turns} turns, first {wl.first_turn_tokens:,} tokens, +{wl.turn_increment_tokens}"
           f"/turn, {wl.output_tokens} out, gap {wl.gap_s} s; last turn {plan.final_tokens(wl):,} tokens")
-    for line in arithmetic(sc, round(plan.mean_turn_tokens(wl)), max(sc.concurrency))[1]:
+    tokens = round(plan.mean_turn_tokens(wl))
+    print(f"closed form, every request at the mean turn's {tokens:,} tokens ('running' = fit at once):")
+    for line in arithmetic(sc, tokens, max(sc.concurrency))[1]:
         print("  " + line)
-    print(f"\nsimulated num_requests_running (mean over {sc.horizon_s - sc.warmup_s:.0f} s after"
-          f" {sc.warmup_s:.0f} s warm-up)")
+    print(f"\nsimulated: c closed-loop users; num_requests_running averaged over"
+          f" {sc.horizon_s - sc.warmup_s:.0f} s after {sc.warmup_s:.0f} s warm-up")
     print(f"{'c':>4} {'baseline':>9} {'hisparse':>9} {'base turns/min':>15} {'hs turns/min':>13}"
           f" {'hs step ms':>11}")
     for c, b, h in zip(out["concurrency"], out["baseline"], out["hisparse"]):
