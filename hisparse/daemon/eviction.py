@@ -42,6 +42,12 @@ class StampLRU:
         self.stamps[page] = self.clock
         self.clock += 1
 
+    def release_many(self, pages: np.ndarray) -> None:
+        """``release`` each page, in order (adoption)."""
+        n = len(pages)
+        self._view[pages] = np.arange(self.clock, self.clock + n, dtype=np.uint64)
+        self.clock += n
+
     def hold(self, page: int) -> None:
         """``page`` may not be evicted (freed, pinned)."""
         self.stamps[page] = HELD

@@ -85,9 +85,12 @@ class NamespaceIndex:
         self.table = table
         self.num_pages = num_pages
         self.keys: dict[bytes, int] = {}  # WRITING and COMMITTED pages
+        # page -> its key (the dict's own key object, so 8 bytes a page). A
+        # request's keys usually sit in neighbouring pages, and following
+        # them here reads memory in order where a dict probe is a cache miss.
+        self.page_keys: list[bytes | None] = [None] * num_pages
         self.state = bytearray(num_pages)
         self.pins = array("I", bytes(4 * num_pages))
-        self.generation = array("I", bytes(4 * num_pages))
         self.lru = StampLRU(num_pages)
         # A stack of free page ids; 4 bytes a page (a list would cost 40).
         self.free = array("i", range(num_pages - 1, -1, -1))  # pop() gives page 0 first
@@ -99,40 +102,67 @@ class NamespaceIndex:
 
     # -- adoption --
 
-    def adopt(self) -> tuple[int, int]:
+    def adopt(self, chunk_pages: int = 1 << 20) -> tuple[int, int]:
         """Rebuild from the table: COMMITTED pages come back, WRITING ones are freed."""
         committed, writing = self.table.scan()
-        for page in writing.tolist():
-            self.table.set_state(page, FREE)
-        keys = self.table.committed_keys(committed)
-        gens = self.table.records["generation"]
+        self.table.records["state"][writing] = FREE
         duplicates = 0
-        for page, key in zip(committed.tolist(), keys):
-            if key in self.keys:  # cannot happen unless the file was edited; keep one copy
-                self.table.set_state(page, FREE)
-                duplicates += 1
-                continue
-            self.keys[key] = page
-            self.state[page] = COMMITTED
-            self.generation[page] = int(gens[page])
-            self.lru.release(page)
-        self.num_committed = len(self.keys)
+        for start in range(0, len(committed), chunk_pages):
+            pages = committed[start:start + chunk_pages]
+            keys = self.table.committed_keys(pages)
+            before = len(self.keys)
+            self.keys.update(zip(keys, pages.tolist()))
+            if len(self.keys) - before != len(keys):  # only a hand-edited table repeats a key
+                duplicates += self._drop_duplicates(keys, pages)
+        live = np.fromiter(self.keys.values(), dtype=np.int64, count=len(self.keys))
+        live.sort()
+        for key, page in self.keys.items():
+            self.page_keys[page] = key
+        np.frombuffer(self.state, dtype=np.uint8)[live] = COMMITTED
+        self.lru.release_many(live)
+        self.num_committed = len(live)
         taken = np.zeros(self.num_pages, dtype=bool)
-        taken[list(self.keys.values())] = True
+        taken[live] = True
         self.free = array("i", np.flatnonzero(~taken)[::-1].astype(np.int32).tobytes())
         return self.num_committed, len(writing) + duplicates
 
+    def _drop_duplicates(self, keys: list[bytes], pages: np.ndarray) -> int:
+        dropped = 0
+        for key, page in zip(keys, pages.tolist()):
+            if self.keys.get(key) != page:
+                self.table.set_state(page, FREE)
+                dropped += 1
+        return dropped
+
     # -- reads --
+
+    def _committed_prefix(self, keys: tuple[bytes, ...]) -> list[int]:
+        """Pages of the leading committed keys."""
+        index, state, page_keys = self.keys, self.state, self.page_keys
+        last = self.num_pages - 1
+        pages: list[int] = []
+        page = -1
+        for key in keys:
+            # The neighbours of the previous key's page first (a chain stored
+            # at once gets ascending pages; one stored over evicted pages,
+            # descending ones), then the dict.
+            if 0 <= page < last and page_keys[page + 1] == key:
+                page += 1
+            elif page > 0 and page_keys[page - 1] == key:
+                page -= 1
+            else:
+                found = index.get(key)
+                if found is None:
+                    break
+                page = found
+            if state[page] != COMMITTED:
+                break
+            pages.append(page)
+        return pages
 
     def lookup(self, keys: tuple[bytes, ...]) -> int:
         """Leading committed keys; touches them so a prefix's head outlives its tail."""
-        index, state = self.keys, self.state
-        hits: list[int] = []
-        for key in keys:
-            page = index.get(key)
-            if page is None or state[page] != COMMITTED:
-                break
-            hits.append(page)
+        hits = self._committed_prefix(keys)
         hits.reverse()
         self.lru.touch_many(hits)
         c = self.counters
@@ -166,10 +196,10 @@ class NamespaceIndex:
                     break
                 evicted += 1
             page = self.free.pop()
-            gen = self.generation[page] = (self.generation[page] + 1) & 0xFFFFFFFF
-            self.table.set_writing(page, key, gen)
+            self.table.set_writing(page, key, self.table.generation_of(page) + 1)
             state[page] = WRITING
             index[key] = page
+            self.page_keys[page] = key
             held[key] = page
             slots.append(page)
             new += 1
@@ -190,19 +220,15 @@ class NamespaceIndex:
         self.table.set_state(page, FREE)
         self.state[page] = FREE
         del self.keys[key]
+        self.page_keys[page] = None
         self.free.append(page)
         self.num_writing -= 1
         self.counters.aborted_pages += 1
 
     def pin(self, keys: tuple[bytes, ...]) -> list[int]:
         """Pin the committed prefix; returns its pages (the caller records the holds)."""
-        index, state, pins = self.keys, self.state, self.pins
-        pages: list[int] = []
-        for key in keys:
-            page = index.get(key)
-            if page is None or state[page] != COMMITTED:
-                break
-            pages.append(page)
+        pins = self.pins
+        pages = self._committed_prefix(keys)
         self.lru.touch_many(pages[::-1])
         for page in pages:
             if pins[page] == 0:
@@ -230,6 +256,7 @@ class NamespaceIndex:
             if self.state[page] != COMMITTED:
                 continue
             del self.keys[key]
+            self.page_keys[page] = None
             self.table.set_state(page, FREE)
             self.lru.hold(page)
             self.events.append(EVENT_EVICT, key, page)
@@ -247,8 +274,10 @@ class NamespaceIndex:
         page = self.lru.pop_victim()
         if page is None:
             return False
-        key = self.table.key_of(page)
+        key = self.page_keys[page]
+        assert key is not None, f"victim page {page} has no key"
         del self.keys[key]
+        self.page_keys[page] = None
         self.table.set_state(page, FREE)
         self.state[page] = FREE
         self.free.append(page)
@@ -264,9 +293,10 @@ class NamespaceIndex:
         out: list[tuple[bytes, int]] = []
         page = cursor
         state = self.state
+        page_keys = self.page_keys
         while page < self.num_pages and len(out) < limit:
             if state[page] == COMMITTED:
-                out.append((self.table.key_of(page), page))
+                out.append((page_keys[page], page))
             page += 1
         return out, (page if page < self.num_pages else -1)
 
