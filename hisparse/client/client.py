@@ -176,10 +176,11 @@ class Client:
         self._count(lookups=1, lookup_keys=len(keys), hit_keys=count)
         return count
 
-    def store(self, keys: list[bytes], pages: torch.Tensor) -> int:
+    def store(self, keys: list[bytes], pages: torch.Tensor | np.ndarray) -> int:
         """Store pages for keys not yet committed; returns how many were newly written.
 
-        ``pages``: uint8 ``[len(keys), page_bytes]``, CPU or CUDA. Stops quietly
+        ``pages``: uint8 ``[len(keys), page_bytes]``, CPU or CUDA (or a numpy
+        array, copied without torch). Stops quietly
         at the first key the region has no room for. Keys another session is
         writing are waited for (bounded by ``timeout_s`` plus the lease ttl).
         """
@@ -202,7 +203,7 @@ class Client:
                     store_s=time.perf_counter() - started)
         return written
 
-    def _store_chunk(self, keys: list[bytes], pages: torch.Tensor,
+    def _store_chunk(self, keys: list[bytes], pages: Any,
                      backend: backends.Backend) -> tuple[int, bool]:
         todo = list(range(len(keys)))  # indices not yet committed by anyone, in key order
         written, full, lost = 0, False, 0
@@ -238,7 +239,7 @@ class Client:
             todo = busy
         return written, full
 
-    def _write(self, session: _Session, keys: list[bytes], pages: torch.Tensor,
+    def _write(self, session: _Session, keys: list[bytes], pages: Any,
                mine: list[tuple[int, int]], backend: backends.Backend) -> None:
         """Copy reserved pages in and commit them; abort them on any failure before the commit."""
         mine_keys = [keys[i] for i, _ in mine]
@@ -260,7 +261,7 @@ class Client:
             log.warning("abort of %d reserved pages failed (%s); they expire with the lease",
                         len(keys), exc)
 
-    def load(self, keys: list[bytes], out: torch.Tensor) -> int:
+    def load(self, keys: list[bytes], out: torch.Tensor | np.ndarray) -> int:
         """Fill ``out[:m]`` with the pages of the committed prefix of ``keys``; returns ``m``.
 
         ``out``: uint8 ``[>= len(keys), page_bytes]``, CPU or CUDA, rows contiguous.
@@ -394,23 +395,31 @@ def _chunks(keys: list[bytes]) -> list[list[bytes]]:
     return [keys[i:i + MAX_KEYS_PER_REQUEST] for i in range(0, len(keys), MAX_KEYS_PER_REQUEST)]
 
 
-def _as_pages(pages: Any, n: int, page_bytes: int, name: str, *, exact: bool) -> torch.Tensor:
-    """A uint8 ``[rows, page_bytes]`` tensor with contiguous rows, checked against ``n`` keys."""
-    import torch
+def _as_pages(pages: Any, n: int, page_bytes: int, name: str, *, exact: bool) -> Any:
+    """A uint8 ``[rows, page_bytes]`` tensor (or numpy array) with contiguous rows.
 
+    Numpy arrays stay numpy: the CPU backend copies them without importing torch.
+    """
     if isinstance(pages, np.ndarray):
-        pages = torch.from_numpy(pages)
-    if not isinstance(pages, torch.Tensor):
-        raise InvalidArgument(f"{name} must be a torch.Tensor, not {type(pages).__name__}")
-    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != page_bytes:
-        raise InvalidArgument(f"{name} must be uint8 [rows, {page_bytes}], not {pages.dtype} "
-                              f"{list(pages.shape)}")
-    if (pages.shape[0] != n) if exact else (pages.shape[0] < n):
+        dtype, shape, strides = pages.dtype, pages.shape, pages.strides
+        ok_type = dtype == np.uint8
+    else:
+        import torch
+
+        if not isinstance(pages, torch.Tensor):
+            raise InvalidArgument(f"{name} must be a torch.Tensor, not {type(pages).__name__}")
+        dtype, shape, strides = pages.dtype, tuple(pages.shape), pages.stride()
+        ok_type = dtype == torch.uint8
+    if not ok_type or len(shape) != 2 or shape[1] != page_bytes:
+        raise InvalidArgument(f"{name} must be uint8 [rows, {page_bytes}], not {dtype} {list(shape)}")
+    if (shape[0] != n) if exact else (shape[0] < n):
         want = f"{n}" if exact else f"at least {n}"
-        raise InvalidArgument(f"{name} has {pages.shape[0]} rows for {n} keys; it needs {want}")
-    if pages.shape[0] > 1 and pages.stride(0) != page_bytes or pages.stride(1) != 1:
+        raise InvalidArgument(f"{name} has {shape[0]} rows for {n} keys; it needs {want}")
+    if (shape[0] > 1 and strides[0] != page_bytes) or strides[1] != 1:
         if not exact:
             raise InvalidArgument(f"{name} must have contiguous rows to be written in place")
-        pages = pages.contiguous()  # a copy; stores of strided pages pay for it
+        # a copy: stores of strided pages pay for it
+        pages = np.ascontiguousarray(pages) if isinstance(pages, np.ndarray) else pages.contiguous()
+    if not exact and isinstance(pages, np.ndarray) and not pages.flags.writeable:
+        raise InvalidArgument(f"{name} is read-only")
     return pages
-

@@ -1,5 +1,8 @@
 """An engine process for the multi-process client tests: ``python -m tests.client.engine ROLE ...``.
 
+It passes numpy arrays, so engine processes start without importing torch
+(eight of them start in a few seconds on two cores).
+
 Each role attaches to a real daemon with ``hisparse.client.attach``, does one
 engine-like thing and prints one JSON line with what it saw. Page bytes are
 a function of their key (``page_for``), so any process can check any page
@@ -39,19 +42,18 @@ def page_for(key: bytes, page_bytes: int) -> np.ndarray:
     return np.frombuffer(bytearray(rng.bytes(page_bytes)), dtype=np.uint8)
 
 
-def pages_for(keys: list[bytes], page_bytes: int):
-    import torch
-
-    out = torch.empty((len(keys), page_bytes), dtype=torch.uint8)
+def pages_for(keys: list[bytes], page_bytes: int) -> np.ndarray:
+    """``[len(keys), page_bytes]``: the expected page of each key."""
+    out = np.empty((len(keys), page_bytes), dtype=np.uint8)
     for i, key in enumerate(keys):
-        out[i] = torch.from_numpy(page_for(key, page_bytes))
+        out[i] = page_for(key, page_bytes)
     return out
 
 
-def bad_pages(keys: list[bytes], got, page_bytes: int) -> list[int]:
-    """Indices of pages in ``got`` that are not ``page_for`` their key."""
-    return [i for i, key in enumerate(keys)
-            if not np.array_equal(got[i].numpy(), page_for(key, page_bytes))]
+def bad_pages(keys: list[bytes], got: Any, page_bytes: int) -> list[int]:
+    """Indices of pages in ``got`` (numpy or torch) that are not ``page_for`` their key."""
+    got = np.asarray(got)
+    return [i for i, key in enumerate(keys) if not np.array_equal(got[i], page_for(key, page_bytes))]
 
 
 def parse_layout(text: str) -> hisparse.KVLayout:
@@ -119,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             pages = pages_for(keys, layout.page_bytes)
             _wait_for_go(args.ready, args.go)
             written = c.store(keys, pages)
-            out = pages.new_zeros(pages.shape)
+            out = np.zeros_like(pages)
             loaded = c.load(keys, out)
-            _emit(written=written, loaded=loaded, bad=bad_pages(keys[:loaded], out, layout.page_bytes))
+            _emit(written=written, loaded=loaded, bad=bad_pages(keys[:loaded], out, layout.page_bytes),
+                  torch="torch" in sys.modules)
         elif args.role == "store-chunks":
             # A large store in steps, reporting progress, for a test to SIGKILL mid-way.
             pages = pages_for(keys, layout.page_bytes)
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 c.store(keys[start:start + args.chunk], pages[start:start + args.chunk])
                 _emit(stored=start + args.chunk)
         elif args.role == "load":
-            out = pages_for([], layout.page_bytes).new_zeros((len(keys), layout.page_bytes))
+            out = np.zeros((len(keys), layout.page_bytes), dtype=np.uint8)
             loaded = c.load(keys, out)
             _emit(lookup=c.lookup(keys), loaded=loaded,
                   bad=bad_pages(keys[:loaded], out, layout.page_bytes))

@@ -66,6 +66,19 @@ def test_scattered_page_ids_and_skipped_keys_round_trip(c):
     assert torch.equal(out, pages[order])
 
 
+def test_numpy_pages_round_trip(c):
+    keys = chain("numpy", 6)
+    pages = pages_for(keys, LAYOUT.page_bytes)
+    assert c.store(keys[:3], pages[:3]) == 3
+    assert c.store(keys, pages[:, :]) == 3
+    backing = np.zeros(6 * LAYOUT.page_bytes + 1, dtype=np.uint8)
+    out = backing[1:].reshape(6, LAYOUT.page_bytes)  # unaligned: copied byte by byte
+    assert c.load(keys[::-1], out) == 6
+    assert np.array_equal(out, pages[::-1])
+    with pytest.raises(hisparse.InvalidArgument):
+        c.load(keys, np.zeros((12, LAYOUT.page_bytes), dtype=np.uint8)[::2])
+
+
 def test_unaligned_tensors_copy_bytewise(c):
     keys = chain("unaligned", 5)
     pages = random_pages(5, seed=3)

@@ -40,8 +40,12 @@ class Backend(Protocol):
     def gather(self, region: RegionMap, page_ids: np.ndarray, out: torch.Tensor) -> None: ...
 
 
-def for_tensor(tensor: torch.Tensor) -> Backend:
-    """The backend for a tensor's device."""
+def for_tensor(tensor: Any) -> Backend:
+    """The backend for a tensor's device (numpy arrays are host memory: ``cpu``)."""
+    if isinstance(tensor, np.ndarray):
+        from hisparse.client.backends import cpu
+
+        return cpu.BACKEND
     kind = tensor.device.type
     if kind == "cpu":
         from hisparse.client.backends import cpu
@@ -54,19 +58,23 @@ def for_tensor(tensor: torch.Tensor) -> Backend:
     raise InvalidArgument(f"no hisparse backend for tensors on {tensor.device}")
 
 
-def copy_dtype(layer_page_bytes: int, *addresses: int) -> tuple[Any, int]:
-    """The widest element (torch dtype, its size) that tiles a page's layer rows.
+def copy_itemsize(layer_page_bytes: int, *addresses: int) -> int:
+    """The widest element size (8, 4, 2 or 1 bytes) that tiles a page's layer rows.
 
     Copy loops and kernels move 8-byte elements several times faster than
     bytes; every address involved and the per-layer run must be multiples of
     the element size, else bytes it is.
     """
+    for size in (8, 4, 2):
+        if layer_page_bytes % size == 0 and all(a % size == 0 for a in addresses):
+            return size
+    return 1
+
+
+def torch_dtype(itemsize: int) -> Any:
     import torch
 
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if layer_page_bytes % size == 0 and all(a % size == 0 for a in addresses):
-            return dtype, size
-    return torch.uint8, 1
+    return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[itemsize]
 
 
 def runs(page_ids: np.ndarray, rows: np.ndarray) -> list[tuple[int, int, int]]:

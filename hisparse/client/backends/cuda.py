@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hisparse.client.backends import check_page_ids, copy_dtype
+from hisparse.client.backends import check_page_ids, copy_itemsize, torch_dtype
 from hisparse.errors import HisparseError
 from hisparse.layout import format_size
 
@@ -222,7 +222,8 @@ class CudaBackend:
 
     def _shapes(self, region: RegionMap, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         g = region.geometry
-        dtype, size = copy_dtype(g.layout.layer_page_bytes, region.address, tensor.data_ptr())
+        size = copy_itemsize(g.layout.layer_page_bytes, region.address, tensor.data_ptr())
+        dtype = torch_dtype(size)
         width = g.layout.layer_page_bytes // size
         view = device_view(region, self.device_index, 0, (g.layout.num_layers, g.num_pages, width), size)
         pages = tensor.view(dtype).view(tensor.shape[0], g.layout.num_layers, width)

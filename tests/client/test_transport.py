@@ -1,0 +1,108 @@
+"""The DEALER transport and the client's session upkeep, against a real hisparsed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hisparse
+from hisparse import client
+from hisparse.client import transport
+from hisparse.daemon.config import embedded_socket_path
+from hisparse.protocol import Op
+from tests.client.engine import chain, pages_for
+
+LAYOUT = hisparse.KVLayout(num_layers=2, block_tokens=8, row_bytes=32)
+
+
+def test_default_socket_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv("HISPARSE_SOCKET", "/somewhere/h.sock")
+    assert transport.default_socket_path() == "/somewhere/h.sock"
+    monkeypatch.delenv("HISPARSE_SOCKET")
+    if os.path.exists(transport.SYSTEM_SOCKET_PATH):
+        pytest.skip("a system hisparsed is installed here")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert transport.default_socket_path() == str(tmp_path / "hisparsed" / "hisparsed.sock")
+    assert transport.default_socket_path() == embedded_socket_path()  # the daemon's own rule
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert transport.default_socket_path().endswith(f"hisparsed-{os.getuid()}/hisparsed.sock")
+    assert transport.default_socket_path() == embedded_socket_path()
+
+
+def test_socket_paths_too_long_for_unix_are_refused():
+    with pytest.raises(hisparse.InvalidArgument):
+        transport.Transport("/tmp/" + "x" * 200)
+
+
+def test_no_daemon_is_unavailable_within_the_timeout(tmp_path):
+    sock = str(tmp_path / "nobody.sock")
+    started = time.monotonic()
+    with pytest.raises(hisparse.DaemonUnavailable):
+        client.attach("ns", LAYOUT, socket=sock, timeout_s=0.3)
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_stopped_daemon_times_out_and_its_late_replies_are_dropped(hisparsed):
+    t = transport.Transport(hisparsed.socket)
+    try:
+        assert t.call(Op.PING, 2.0)["pid"] == hisparsed.pid
+        os.kill(hisparsed.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(hisparse.DaemonUnavailable):
+                t.call(Op.PING, 0.3)
+            with pytest.raises(hisparse.DaemonUnavailable):
+                t.call(Op.HELLO, 0.3)  # queued in the daemon's socket: answered late
+            assert time.monotonic() - started < 1.5
+        finally:
+            os.kill(hisparsed.pid, signal.SIGCONT)
+        # the two late replies arrive first; the call must skip them for its own
+        body = t.call(Op.PING, 5.0)
+        assert body["pid"] == hisparsed.pid and "session" not in body
+    finally:
+        t.close()
+
+
+def test_heartbeats_keep_the_lease_and_its_pins(daemon_factory):
+    d = daemon_factory(capacity="64MiB", lease_ttl=1)
+    keys = chain("hb", 3)
+    with client.attach("hb", LAYOUT, socket=d.socket, capacity="1MiB") as cl:
+        cl.store(keys, pages_for(keys, LAYOUT.page_bytes))
+        with cl.pin(keys) as p:
+            time.sleep(2.5)  # two and a half lease ttls without a call of ours
+            assert p.held
+            assert cl.stats()["namespaces"]["hb"]["pinned_pages"] == 3
+        assert cl.stats()["client"]["reconnects"] == 0
+        assert cl.stats()["daemon"]["sessions_expired"] == 0
+
+
+def test_one_client_serves_many_threads(hisparsed):
+    errors: list[BaseException] = []
+    with client.attach("threads", LAYOUT, socket=hisparsed.socket, capacity="2MiB") as cl:
+        def work(t: int) -> None:
+            try:
+                shared = chain("shared", 20)  # every thread stores the same chain too
+                mine = chain(f"thread{t}", 20)
+                for keys in (shared, mine):
+                    cl.store(keys, pages_for(keys, LAYOUT.page_bytes))
+                    out = np.zeros((len(keys), LAYOUT.page_bytes), dtype=np.uint8)
+                    assert cl.load(keys, out) == len(keys)
+                    assert np.array_equal(out, pages_for(keys, LAYOUT.page_bytes))
+                    with cl.pin(keys[:5]) as p:
+                        assert len(p) == 5
+            except BaseException as exc:  # reported below: a thread cannot fail the test itself
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert errors == []
+        ns = cl.stats()["namespaces"]["threads"]
+        assert ns["committed_pages"] == 20 * 7 and ns["pinned_pages"] == 0
