@@ -1,0 +1,264 @@
+"""The sparse session: requests that keep decoding when their KV outgrows HBM.
+
+Per engine, a ``SparseSession`` owns nothing on the GPU: every row it uses
+is a row of the engine's own KV cache tensors, in blocks that the engine's
+allocator hands out and takes back. Per request it keeps
+
+- the block table: ``resident_blocks[b]``, the engine block holding logical
+  block ``b`` (``-1`` once spilled);
+- the host page table: ``host_pages[b]``, the region page holding logical
+  block ``b`` (``-1`` while resident), pinned for the request's life;
+- ``H`` hot rows (whole engine blocks from the allocator) and, per layer,
+  the position each holds and when it was last used.
+
+``spill`` stores the blocks older than the active tail (one ``store``, then
+a ``pin`` for the request's life) and hands their engine blocks back.
+``resolve`` runs the fused kernel for one layer over a batch of requests:
+resident rows as they are, hot rows where the position is already hot,
+missing rows pulled from the layer's host slab into least recently used
+hot rows. ``release`` gives everything back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hisparse.client.client import Client
+from hisparse.client.pins import Pin
+from hisparse.errors import CapacityError, InvalidArgument
+
+Resolver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class BlockAllocator:
+    """A free list of engine block ids, for standalone use and tests.
+
+    An engine passes its own allocator instead: anything with ``allocate(n)
+    -> list[int]`` (raising ``CapacityError`` when short) and ``free(ids)``.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise CapacityError(f"{n} blocks asked, {len(self._free)} free of {self.num_blocks}")
+        ids = [self._free.pop() for _ in range(n)]
+        self._used.update(ids)
+        return ids
+
+    def free(self, ids: Sequence[int]) -> None:
+        for block in ids:
+            if block not in self._used:
+                raise InvalidArgument(f"block {block} is not allocated")
+            self._used.remove(block)
+            self._free.append(block)
+
+
+def chain_keys(request_id: str, first: int, n: int, salt: bytes = b"") -> list[bytes]:
+    """Keys for logical blocks ``first .. first+n-1`` of a request with no prefix hashes.
+
+    Each key hashes the request's identity and the block index, so a
+    request's spilled blocks never collide with another's. Engines that
+    share prefixes pass their own block hashes instead.
+    """
+    base = hashlib.sha256(salt + request_id.encode()).digest()
+    return [hashlib.sha256(base + i.to_bytes(8, "little")).digest() for i in range(first, first + n)]
+
+
+@dataclass
+class SparseRequest:
+    request_id: str
+    blocks: list[int]  # engine block per logical block, -1 when spilled
+    keys: list[bytes]  # one per logical block
+    hot_blocks: list[int]
+    hot_rows: torch.Tensor  # int32 [H]
+    hot_tags: torch.Tensor  # int32 [L, H], position held by each hot row per layer
+    hot_stamp: torch.Tensor  # int64 [L, H]
+    host_pages: list[int] = field(default_factory=list)  # region page per logical block, -1
+    pins: list[Pin] = field(default_factory=list)
+    released: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_spilled(self) -> int:
+        return sum(1 for p in self.host_pages if p >= 0)
+
+
+class SparseSession:
+    """Hot rows and spilled blocks for one engine's requests (see the module docstring)."""
+
+    def __init__(self, client: Client, kv_caches: Sequence[torch.Tensor], allocator: Any, *,
+                 hot_rows: int, active_tail_blocks: int = 1, max_blocks: int,
+                 resolver: Resolver | None = None) -> None:
+        layout = client.layout
+        if len(kv_caches) != layout.num_layers:
+            raise InvalidArgument(f"{len(kv_caches)} KV cache tensors for {layout.num_layers} layers")
+        for layer, kv in enumerate(kv_caches):
+            if kv.dtype != torch.uint8 or kv.dim() != 2 or kv.shape[1] != layout.row_bytes:
+                raise InvalidArgument(f"kv_caches[{layer}] must be uint8 [rows, {layout.row_bytes}]")
+        if hot_rows < 1 or active_tail_blocks < 0 or max_blocks < 1:
+            raise InvalidArgument("hot_rows and max_blocks must be positive, active_tail_blocks >= 0")
+        self.client = client
+        self.layout = layout
+        self.kv_caches = list(kv_caches)
+        self.allocator = allocator
+        self.num_hot_rows = hot_rows
+        self.active_tail_blocks = active_tail_blocks
+        self.max_blocks = max_blocks
+        self.device = kv_caches[0].device
+        self.resolver = resolver or _default_resolver(self.device)
+        self._salt = os.urandom(8)
+        self.requests: dict[str, SparseRequest] = {}
+        self._host_rows = [client.layer_rows(layer, device=None if self.device.type == "cpu"
+                                             else self.device)
+                           for layer in range(layout.num_layers)]
+
+    # -- request lifecycle --
+
+    def add_request(self, request_id: str, blocks: Sequence[int],
+                    keys: Sequence[bytes] | None = None) -> SparseRequest:
+        """Track a request whose logical blocks are in ``blocks`` (engine block ids)."""
+        if request_id in self.requests:
+            raise InvalidArgument(f"request {request_id!r} is already tracked")
+        if len(blocks) > self.max_blocks:
+            raise InvalidArgument(f"{len(blocks)} blocks; this session takes at most {self.max_blocks}")
+        bt = self.layout.block_tokens
+        hot_blocks = self.allocator.allocate(-(-self.num_hot_rows // bt))
+        rows = [b * bt + t for b in hot_blocks for t in range(bt)][: self.num_hot_rows]
+        L, H = self.layout.num_layers, self.num_hot_rows
+        req = SparseRequest(
+            request_id, list(blocks), list(keys) if keys is not None else [], hot_blocks,
+            torch.tensor(rows, dtype=torch.int32, device=self.device),
+            torch.full((L, H), -1, dtype=torch.int32, device=self.device),
+            torch.zeros((L, H), dtype=torch.int64, device=self.device),
+            [-1] * len(blocks))
+        if keys is None:
+            req.keys = chain_keys(request_id, 0, len(blocks), self._salt)
+        elif len(req.keys) != len(blocks):
+            raise InvalidArgument(f"{len(req.keys)} keys for {len(blocks)} blocks")
+        self.requests[request_id] = req
+        return req
+
+    def append_block(self, req: SparseRequest, block: int, key: bytes | None = None) -> None:
+        """The request grew by one block (decode filled the last one)."""
+        if req.num_blocks >= self.max_blocks:
+            raise InvalidArgument(f"request {req.request_id!r} is at max_blocks={self.max_blocks}")
+        req.blocks.append(block)
+        req.host_pages.append(-1)
+        req.keys.append(key if key is not None else
+                        chain_keys(req.request_id, req.num_blocks - 1, 1, self._salt)[0])
+
+    def spill(self, req: SparseRequest) -> int:
+        """Move resident blocks older than the active tail to host pages; returns how many.
+
+        Blocks go in logical order and stop at the first the region cannot
+        take (``store`` writes what fits): those stay resident.
+        """
+        todo = [b for b in range(max(0, req.num_blocks - self.active_tail_blocks))
+                if req.blocks[b] >= 0 and req.host_pages[b] < 0]
+        if not todo:
+            return 0
+        keys = [req.keys[b] for b in todo]
+        self.client.store(keys, self._gather_pages([req.blocks[b] for b in todo]))
+        pin = self.client.pin(keys)
+        if pin.count == 0:
+            pin.release()
+            return 0
+        req.pins.append(pin)
+        freed = []
+        for b, page in zip(todo, pin.page_ids.tolist()):
+            req.host_pages[b] = page
+            freed.append(req.blocks[b])
+            req.blocks[b] = -1
+        self.allocator.free(freed)
+        return len(freed)
+
+    def release(self, req: SparseRequest) -> None:
+        """The request ended: unpin its pages, hand back its hot and resident blocks."""
+        if req.released:
+            return
+        req.released = True
+        for pin in req.pins:
+            pin.release()
+        self.allocator.free([b for b in req.blocks if b >= 0] + req.hot_blocks)
+        self.requests.pop(req.request_id, None)
+
+    def _gather_pages(self, engine_blocks: list[int]) -> torch.Tensor:
+        """Logical page bytes ``[n, page_bytes]`` of engine blocks, layer-major per page."""
+        bt, rb = self.layout.block_tokens, self.layout.row_bytes
+        idx = torch.tensor(engine_blocks, dtype=torch.int64, device=self.device)
+        out = torch.empty((len(engine_blocks), self.layout.num_layers, bt * rb), dtype=torch.uint8,
+                          device=self.device)
+        for layer, kv in enumerate(self.kv_caches):
+            out[:, layer, :] = kv.view(-1, bt * rb).index_select(0, idx)
+        return out.view(len(engine_blocks), -1)
+
+    # -- the decode step --
+
+    def tables(self, reqs: Sequence[SparseRequest], max_reqs: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(num_real_reqs, resident_blocks, host_pages, hot_rows)``, padded to ``max_reqs``."""
+        B = max_reqs or len(reqs)
+        if len(reqs) > B:
+            raise InvalidArgument(f"{len(reqs)} requests for a batch of {B}")
+        NB, H = self.max_blocks, self.num_hot_rows
+        resident = torch.full((B, NB), -1, dtype=torch.int32)
+        host = torch.full((B, NB), -1, dtype=torch.int64)
+        hot = torch.zeros((B, H), dtype=torch.int32)
+        for i, req in enumerate(reqs):
+            resident[i, :req.num_blocks] = torch.tensor(req.blocks, dtype=torch.int32)
+            host[i, :req.num_blocks] = torch.tensor(req.host_pages, dtype=torch.int64)
+            hot[i] = req.hot_rows.cpu()
+        n = torch.tensor([len(reqs)], dtype=torch.int32)
+        dev = self.device
+        return n.to(dev), resident.to(dev), host.to(dev), hot.to(dev)
+
+    def resolve(self, reqs: Sequence[SparseRequest], layer: int, topk: torch.Tensor, step: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Physical rows of ``topk`` (int32 ``[B, Q, K]``, request-relative positions) for one layer.
+
+        The hot-row state of ``layer`` is updated in place, and missing rows
+        are copied into that layer's KV cache. Returns ``(phys_rows,
+        counters)`` as ``hisparse.kernels.resolve`` does.
+        """
+        if topk.dim() != 3 or topk.shape[0] < len(reqs):
+            raise InvalidArgument("topk must be int32 [B, Q, K] with a row per request")
+        num_real, resident, host, hot_rows = self.tables(reqs, topk.shape[0])
+        B, H = topk.shape[0], self.num_hot_rows
+        tags = torch.full((B, H), -1, dtype=torch.int32, device=self.device)
+        stamps = torch.zeros((B, H), dtype=torch.int64, device=self.device)
+        for i, req in enumerate(reqs):
+            tags[i] = req.hot_tags[layer]
+            stamps[i] = req.hot_stamp[layer]
+        phys, counters = self.resolver(
+            topk=topk.to(device=self.device, dtype=torch.int32), num_real_reqs=num_real,
+            resident_blocks=resident, host_pages=host, host_rows=self._host_rows[layer],
+            block_tokens=self.layout.block_tokens, hot_rows=hot_rows, hot_tags=tags,
+            hot_stamp=stamps, step=torch.tensor([step], dtype=torch.int64, device=self.device),
+            kv_rows=self.kv_caches[layer])
+        for i, req in enumerate(reqs):
+            req.hot_tags[layer].copy_(tags[i])
+            req.hot_stamp[layer].copy_(stamps[i])
+        return phys, counters
+
+
+def _default_resolver(device: torch.device) -> Resolver:
+    from hisparse import kernels
+
+    return kernels.resolve if device.type == "cuda" else kernels.resolve_reference
