@@ -58,17 +58,20 @@ class _Session:
 
 def attach(namespace: str, layout: KVLayout, socket: str | None = None,
            capacity: int | str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-           name: str | None = None) -> Client:
+           name: str | None = None, populate: bool = False) -> Client:
     """Open a session on ``namespace`` and map its region.
 
     ``socket``: None for ``$HISPARSE_SOCKET``, else the system daemon's socket,
     else the embedded default. ``capacity`` (bytes or e.g. ``"384GiB"``) sizes
     the region if this attach creates the namespace. ``timeout_s`` bounds each
-    request. Raises ``DaemonUnavailable``, ``LayoutMismatch``, ``CapacityError``.
+    request. ``name`` shows in the daemon's logs. ``populate`` faults the whole
+    mapping in at attach instead of page by page during the first copies
+    (worth it for CPU copies from a tmpfs region; CUDA registration does it
+    anyway). Raises ``DaemonUnavailable``, ``LayoutMismatch``, ``CapacityError``.
     """
     capacity_bytes = None if capacity is None else parse_size(capacity)
     return Client(namespace, layout, socket or default_socket_path(), capacity_bytes,
-                  timeout_s=timeout_s, name=name)
+                  timeout_s=timeout_s, name=name, populate=populate)
 
 
 class Client:
@@ -76,7 +79,7 @@ class Client:
 
     def __init__(self, namespace: str, layout: KVLayout, socket_path: str,
                  capacity_bytes: int | None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 name: str | None = None) -> None:
+                 name: str | None = None, populate: bool = False) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidArgument(f"layout must be a hisparse.KVLayout, not {type(layout).__name__}")
         if timeout_s <= 0:
@@ -86,6 +89,7 @@ class Client:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self._capacity_bytes = capacity_bytes
+        self._populate = populate
         self._name = f"pid {os.getpid()} {name or 'hisparse.client'}"
         self._hello_lock = threading.Lock()
         self._counters_lock = threading.Lock()
@@ -110,7 +114,7 @@ class Client:
         body = self._transport.call(Op.HELLO, self.timeout_s, namespace=self.namespace,
                                     layout=self.layout, capacity_bytes=self._capacity_bytes,
                                     client=self._name)
-        region, key = acquire_region(body.get("region"), self.layout)
+        region, key = acquire_region(body.get("region"), self.layout, populate=self._populate)
         return _Session(int(body["session"]), region, key, float(body["lease_ttl_s"]))
 
     def _rehello(self, lost: _Session) -> _Session:
@@ -415,7 +419,7 @@ def _as_pages(pages: Any, n: int, page_bytes: int, name: str, *, exact: bool) ->
     if (shape[0] != n) if exact else (shape[0] < n):
         want = f"{n}" if exact else f"at least {n}"
         raise InvalidArgument(f"{name} has {shape[0]} rows for {n} keys; it needs {want}")
-    if (shape[0] > 1 and strides[0] != page_bytes) or strides[1] != 1:
+    if shape[0] and ((shape[0] > 1 and strides[0] != page_bytes) or strides[1] != 1):
         if not exact:
             raise InvalidArgument(f"{name} must have contiguous rows to be written in place")
         # a copy: stores of strided pages pay for it

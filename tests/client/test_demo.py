@@ -1,0 +1,19 @@
+"""``hisparse demo`` end to end: its own daemon, two engine processes, a table."""
+
+from __future__ import annotations
+
+from hisparse import cli
+
+
+def test_demo_engines_share_a_prefix(capsys):
+    rc = cli.main(["demo", "--layers", "4", "--block-tokens", "16", "--row-bytes", "64",
+                   "--prefix-pages", "6", "--suffix-pages", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:2] in ("A ", "B ")}
+    header = next(line.split() for line in out.splitlines() if line.startswith("engine"))
+    assert header[:5] == ["engine", "pid", "lookups", "keys", "hits"]
+    # A finds nothing and stores its 8 blocks; B hits the 6 shared ones and stores its 2
+    assert rows["A"][3:5] == ["8", "0"] and rows["B"][3:5] == ["8", "6"]
+    assert "yes" in rows["A"] and "yes" in rows["B"]
+    assert "the daemon holds 10 pages" in out
