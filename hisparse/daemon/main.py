@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     except HisparseError as exc:
         log.error("cannot start: %s", exc)
         return 1
+    except OSError as exc:  # an unwritable directory, a lock file of another user, ...
+        log.error("cannot start: %s: %s", exc.filename or "", exc.strerror or exc)
+        return 1
     finally:
         log.debug("ran for %.1fs", time.monotonic() - started)
 

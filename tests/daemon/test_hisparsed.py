@@ -325,3 +325,12 @@ def test_systemd_unit_verifies(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "hisparsed.service" not in r.stderr, r.stderr
+
+
+def test_unwritable_socket_directory_is_one_clear_line(tmp_path):
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    r = subprocess.run([sys.executable, "-m", "hisparse.daemon.main", "--socket",
+                        str(blocked / "hisparsed.sock"), "--shm-dir", str(tmp_path / "shm")],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "cannot start" in r.stderr and "Traceback" not in r.stderr
