@@ -125,7 +125,7 @@ def run_engine(name: str, socket: str, layout: KVLayout, prefix_pages: int, suff
 
 
 def _rate(num_bytes: int, seconds: float) -> str:
-    return f"{num_bytes / seconds / 1e9:.1f}" if num_bytes and seconds > 0 else "-"
+    return f"{num_bytes / seconds / 1e9:.3g}" if num_bytes and seconds > 0 else "-"
 
 
 def print_table(rows: list[dict]) -> None:

@@ -10,8 +10,10 @@ def test_demo_engines_share_a_prefix(capsys):
                    "--prefix-pages", "6", "--suffix-pages", "2"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:2] in ("A ", "B ")}
-    header = next(line.split() for line in out.splitlines() if line.startswith("engine"))
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("engine"))
+    header = lines[at].split()
+    rows = {line.split()[0]: line.split() for line in lines[at + 1:at + 3]}
     assert header[:5] == ["engine", "pid", "lookups", "keys", "hits"]
     # A finds nothing and stores its 8 blocks; B hits the 6 shared ones and stores its 2
     assert rows["A"][3:5] == ["8", "0"] and rows["B"][3:5] == ["8", "6"]
