@@ -60,7 +60,7 @@ def start_daemon(capacity: str, *, lease_ttl_s: float = 10.0, log_level: str = "
         proc = subprocess.Popen(
             [sys.executable, "-m", "hisparse.daemon.main", "--socket", socket, "--shm-dir", shm_dir,
              "--capacity", capacity, "--lease-ttl", str(lease_ttl_s), "--log-level", log_level],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, env=_env_with_package())
     try:
         try:
             pong = wait_for_daemon(socket, timeout_s)
@@ -79,6 +79,13 @@ def start_daemon(capacity: str, *, lease_ttl_s: float = 10.0, log_level: str = "
                 proc.wait(5)
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def _env_with_package() -> dict[str, str]:
+    """The environment for child processes, able to import this very hisparse."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
 def chain(seed: str, n: int, prev: bytes = b"") -> list[bytes]:
@@ -146,7 +153,7 @@ def _engine_process(args: argparse.Namespace, name: str, socket: str) -> dict:
            "--layers", str(args.layers), "--block-tokens", str(args.block_tokens),
            "--row-bytes", str(args.row_bytes), "--prefix-pages", str(args.prefix_pages),
            "--suffix-pages", str(args.suffix_pages)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env_with_package())
     if done.returncode != 0:
         raise RuntimeError(f"engine {name} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
