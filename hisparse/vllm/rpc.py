@@ -1,0 +1,152 @@
+"""The daemon operations the adapter needs that ``Client`` does not offer, as thin calls on it.
+
+``Client`` covers whole stores and loads (reserve -> copy -> commit, pin ->
+copy -> unpin) inside one call. vLLM splits each of them across processes
+and steps: the scheduler reserves and the worker copies, and the commit
+comes steps later, so the adapter needs the steps one by one. Every call
+here goes through the client's own request path (``Client._call`` /
+``Client._call_in``: its transport, timeout, and re-attach when the daemon
+forgot the session), so there is one RPC stack.
+
+Reservations and pins belong to the session that took them. Each call that
+takes one returns that session, and the calls that release one take it back:
+if the session was lost meanwhile (daemon restart, lease expiry) the
+release raises ``LeaseExpired`` instead of touching a new session, where
+the same keys would be ``NOT_HELD`` or, worse, held by something else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from hisparse.protocol import MAX_KEYS_PER_REQUEST, Op
+
+if TYPE_CHECKING:
+    from hisparse.client import Client
+    from hisparse.client.client import _Session
+    from hisparse.shm.region import RegionMap
+
+log = logging.getLogger(__name__)
+
+Session = Any  # hisparse.client.client._Session: an opaque handle here
+
+
+class NamespaceOps:
+    """Low-level requests on a client's namespace; chunked to the protocol's key limit."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._events_session: _Session | None = None
+
+    # -- writes: reserve, then commit or abort on the same session --
+
+    def reserve(self, keys: list[bytes]) -> tuple[list[int], Session]:
+        """Slots for ``keys`` (page id / SLOT_COMMITTED / SLOT_BUSY); shorter when the region is full."""
+        slots: list[int] = []
+        session = None
+        for chunk in _chunks(keys):
+            if session is None:
+                body, session = self.client._call(Op.RESERVE, keys=chunk)
+            else:
+                body = self.client._call_in(session, Op.RESERVE, keys=chunk)
+            got = [int(s) for s in body["slots"]]
+            slots.extend(got)
+            if len(got) < len(chunk):
+                break
+        return slots, session
+
+    def commit(self, session: Session, keys: list[bytes]) -> None:
+        for chunk in _chunks(keys):
+            self.client._call_in(session, Op.COMMIT, keys=chunk)
+
+    def abort(self, session: Session, keys: list[bytes]) -> None:
+        for chunk in _chunks(keys):
+            self.client._call_in(session, Op.ABORT, keys=chunk)
+
+    # -- reads: pin, then unpin on the same session --
+
+    def pin_each(self, keys: list[bytes]) -> tuple[list[int], Session]:
+        """Pin every committed key of ``keys``, prefix or not: page ids, ``-1`` where not committed.
+
+        ``pin`` holds a committed *prefix*; vLLM's load set is per group and
+        may have a hole where a key was evicted since its lookup, so after a
+        short prefix the rest is pinned again past the hole. One request when
+        everything is there; one more per hole.
+        """
+        pages: list[int] = []
+        session = None
+        start = 0
+        while start < len(keys):
+            chunk = keys[start:start + MAX_KEYS_PER_REQUEST]
+            if session is None:
+                body, session = self.client._call(Op.PIN, keys=chunk)
+            else:
+                body = self.client._call_in(session, Op.PIN, keys=chunk)
+            got = [int(p) for p in body["pages"]]
+            pages.extend(got)
+            start += len(got)
+            if len(got) < len(chunk):
+                pages.append(-1)  # keys[start] is not committed: skip it
+                start += 1
+        return pages, session
+
+    def unpin(self, session: Session, keys: list[bytes]) -> None:
+        for chunk in _chunks(keys):
+            self.client._call_in(session, Op.UNPIN, keys=chunk)
+
+    # -- the mirror's reads --
+
+    def events(self, after: int, limit: int) -> dict[str, Any]:
+        body, session = self.client._call(Op.EVENTS, after=after, limit=limit)
+        if self._events_session is not None and session is not self._events_session:
+            # A new session may mean a new daemon whose sequence numbers restarted
+            # and could overlap ours: treat the stream as broken.
+            self._events_session = session
+            return {"seq": body["seq"], "events": [], "reset": True}
+        self._events_session = session
+        return body
+
+    def keys_page(self, cursor: int, limit: int) -> dict[str, Any]:
+        body, session = self.client._call(Op.KEYS, cursor=cursor, limit=limit)
+        self._events_session = session
+        return body
+
+    # -- admin --
+
+    def clear(self) -> int | None:
+        """Drop every committed page of the namespace; None when the admin token is unreadable."""
+        token = _read_admin_token(self.client.socket_path)
+        if token is None:
+            return None
+        body, _ = self.client._call(Op.CLEAR, token=token, namespace=self.client.namespace)
+        return int(body["freed_pages"]) + int(body["doomed_pages"])
+
+    # -- the region --
+
+    def region(self) -> RegionMap:
+        """The current session's mapping of the region (replaced if the daemon re-created it)."""
+        return self.client._current().region
+
+    def session(self) -> Session:
+        return self.client._current()
+
+    def session_is_live(self, session: Session) -> bool:
+        return self.client._session_is_live(session)
+
+
+def _chunks(keys: list[bytes]) -> list[list[bytes]]:
+    return [keys[i:i + MAX_KEYS_PER_REQUEST] for i in range(0, len(keys), MAX_KEYS_PER_REQUEST)]
+
+
+def _read_admin_token(socket_path: str) -> str | None:
+    # The daemon writes it beside its socket, readable by its own user and root only.
+    path = os.path.join(os.path.dirname(os.path.abspath(socket_path)), "hisparsed.token")
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as exc:
+        log.debug("admin token %s unreadable: %s", path, exc)
+        return None
+
