@@ -153,7 +153,7 @@ def error_for_code(code: str, message: str) -> errors.HisparseError:
 
 # Slot values in a reserve reply, one per key processed, in key order.
 SLOT_COMMITTED = -1  # already committed: nothing to write
-SLOT_BUSY = -2  # being written by another session: wait for its commit or abort
+SLOT_BUSY = -2  # being written (by any session, this one too): wait for its commit or abort
 # (a reply shorter than the request means the region ran out of room there)
 
 # Event kinds in an events reply.

@@ -177,7 +177,8 @@ class NamespaceIndex:
         """Slots for ``keys`` (see protocol.SLOT_*) and how many pages were evicted.
 
         ``held`` is the calling session's reservations (key -> page); new
-        ones are added to it. Stops at the first key that finds no room.
+        ones are added to it. A key already WRITING is BUSY for everyone,
+        its own session included. Stops at the first key that finds no room.
         """
         slots: list[int] = []
         evicted = new = 0
@@ -189,7 +190,9 @@ class NamespaceIndex:
                     self.lru.touch(page)
                     slots.append(SLOT_COMMITTED)
                 else:
-                    slots.append(page if held.get(key) == page else SLOT_BUSY)
+                    # Being written, even by this very session (another thread of
+                    # one client): one reservation has exactly one writer.
+                    slots.append(SLOT_BUSY)
                 continue
             if not self.free:
                 if not self._evict_one():
