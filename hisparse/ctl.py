@@ -17,15 +17,7 @@ import zmq
 from hisparse import protocol
 from hisparse.errors import DaemonUnavailable, HisparseError
 from hisparse.layout import format_size
-
-
-def default_socket() -> str:
-    from hisparse.daemon.config import SYSTEM_SOCKET, embedded_socket_path
-
-    env = os.environ.get("HISPARSE_SOCKET")
-    if env:
-        return env
-    return SYSTEM_SOCKET if os.path.exists(SYSTEM_SOCKET) else embedded_socket_path()
+from hisparse.paths import default_socket_path
 
 
 class Control:
@@ -117,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     cl = sub.add_parser("clear", help="drop every committed page of a namespace")
     cl.add_argument("namespace")
     args = p.parse_args(argv)
-    socket_path = args.socket or default_socket()
+    socket_path = args.socket or default_socket_path()
     ctl = Control(socket_path, args.timeout)
     try:
         if args.command == "ping":

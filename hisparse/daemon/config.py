@@ -8,32 +8,20 @@ documented example of every key.
 from __future__ import annotations
 
 import os
-import tempfile
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from hisparse.errors import HisparseError, InvalidArgument
 from hisparse.layout import format_size, parse_size
+from hisparse.paths import SYSTEM_SOCKET, embedded_socket_path
 
-SYSTEM_SOCKET = "/run/hisparsed/hisparsed.sock"
 MIN_LEASE_TTL_S = 1.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class ConfigError(HisparseError):
     """A configuration value is missing, unknown or invalid."""
-
-
-def embedded_socket_path() -> str:
-    """Where a daemon without a config listens: no root, no /run needed.
-
-    The client's default resolution (``hisparse.client``) ends at this same path.
-    """
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime) and os.access(runtime, os.W_OK):
-        return os.path.join(runtime, "hisparsed", "hisparsed.sock")
-    return os.path.join(tempfile.gettempdir(), f"hisparsed-{os.getuid()}", "hisparsed.sock")
 
 
 @dataclass(frozen=True)

@@ -122,20 +122,20 @@ def _held(session: Session, keys: tuple[bytes, ...], what: str) -> list[int]:
     return pages
 
 
-def handle_commit(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    index = _ns(session).index
-    for key, page in zip(req.keys, _held(session, req.keys, "commit")):
+def _settle(session: Session, req: KeysRequest, what: str, apply) -> int:
+    """Commit or abort reservations this session holds: all of ``req.keys`` or none."""
+    for key, page in zip(req.keys, _held(session, req.keys, what)):
         del session.reservations[key]
-        index.commit(key, page)
-    return {"committed": len(req.keys)}
+        apply(key, page)
+    return len(req.keys)
+
+
+def handle_commit(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
+    return {"committed": _settle(session, req, "commit", _ns(session).index.commit)}
 
 
 def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    index = _ns(session).index
-    for key, page in zip(req.keys, _held(session, req.keys, "abort")):
-        del session.reservations[key]
-        index.abort(key, page)
-    return {"aborted": len(req.keys)}
+    return {"aborted": _settle(session, req, "abort", _ns(session).index.abort)}
 
 
 def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
