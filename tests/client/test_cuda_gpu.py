@@ -1,0 +1,113 @@
+"""The CUDA backend on a real GPU and a real hisparsed (run by scripts/gpu-check)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hisparse
+from hisparse import client
+from hisparse.client.backends import cuda as cuda_backend
+from tests.client.engine import chain, finish, page_for, spawn
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+LAYOUT = hisparse.KVLayout(num_layers=8, block_tokens=64, row_bytes=656)  # 328 KiB pages
+
+
+@pytest.fixture
+def c(hisparsed):
+    with client.attach("gpu/ns", LAYOUT, socket=hisparsed.socket, capacity="64MiB") as cl:
+        yield cl
+
+
+def gpu_pages(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(0, 256, (n, LAYOUT.page_bytes), dtype=torch.uint8, device="cuda", generator=g)
+
+
+def test_cuda_store_load_round_trip_is_byte_exact(c):
+    keys = chain("gpu", 40)
+    pages = gpu_pages(40)
+    assert c.store(keys, pages) == 40
+    out = torch.zeros_like(pages)
+    assert c.load(keys, out) == 40
+    torch.cuda.synchronize()
+    assert torch.equal(out, pages)
+    # the bytes are in the region itself, in its layer-major layout
+    host = torch.zeros((40, LAYOUT.page_bytes), dtype=torch.uint8)
+    assert c.load(keys, host) == 40
+    assert torch.equal(host, pages.cpu())
+
+
+def test_cuda_scattered_ids_and_skipped_rows(c):
+    keys = chain("scatter", 30)
+    pages = gpu_pages(30, seed=1)
+    assert c.store(keys[::3], pages[::3]) == 10  # strided source: made contiguous
+    assert c.store(keys, pages) == 20  # rows 1, 2, 4, 5, ...: one gather of the rows to write
+    order = [29, 0, 14, 3, 7, 22, 1]
+    out = torch.zeros((len(order), LAYOUT.page_bytes), dtype=torch.uint8, device="cuda")
+    assert c.load([keys[i] for i in order], out) == len(order)
+    assert torch.equal(out, pages[order])
+
+
+def test_cuda_unaligned_tensors(c):
+    keys = chain("odd", 5)
+    pages = gpu_pages(5, seed=2)
+    backing = torch.zeros(5 * LAYOUT.page_bytes + 1, dtype=torch.uint8, device="cuda")
+    odd = backing[1:].view(5, LAYOUT.page_bytes)
+    odd.copy_(pages)
+    assert c.store(keys, odd) == 5
+    out_backing = torch.zeros_like(backing)
+    out = out_backing[1:].view(5, LAYOUT.page_bytes)
+    assert c.load(keys, out) == 5
+    assert torch.equal(out, pages)
+
+
+def test_cuda_layer_rows_is_the_uva_view_of_the_slab(c):
+    keys = chain("rows", 4)
+    pages = gpu_pages(4, seed=3)
+    c.store(keys, pages)
+    for layer in (0, LAYOUT.num_layers - 1):
+        dev = c.layer_rows(layer, device="cuda")
+        assert dev.is_cuda and dev.shape == (c.num_pages * LAYOUT.block_tokens, LAYOUT.row_bytes)
+        assert torch.equal(dev.cpu(), c.layer_rows(layer))
+
+
+def test_region_is_registered_once_per_process(hisparsed):
+    a = client.attach("gpu/once", LAYOUT, socket=hisparsed.socket, capacity="16MiB")
+    b = client.attach("gpu/once", LAYOUT, socket=hisparsed.socket)
+    keys = chain("once", 3)
+    a.store(keys, gpu_pages(3))
+    b.load(keys, torch.empty((3, LAYOUT.page_bytes), dtype=torch.uint8, device="cuda"))
+    region = a._session.region
+    registrations = [r for r, owner in cuda_backend._REGISTRY.values() if owner is region]
+    assert len(registrations) == 1
+    assert registrations[0].size_bytes == region.geometry.size_bytes
+    a.close()
+    b.close()
+    assert cuda_backend.is_registered(region)  # kept mapped: registrations live with the process
+
+
+def test_cpu_engine_stores_gpu_engine_loads(hisparsed):
+    # another process (numpy, no GPU) stores; this one loads straight to the GPU
+    finish(spawn(hisparsed.socket, "store", "gpu/shared", LAYOUT, seed="cpu", count=12, capacity="16MiB"))
+    keys = chain("cpu", 12)
+    with client.attach("gpu/shared", LAYOUT, socket=hisparsed.socket) as cl:
+        out = torch.zeros((12, LAYOUT.page_bytes), dtype=torch.uint8, device="cuda")
+        assert cl.load(keys, out) == 12
+        host = out.cpu().numpy()
+        assert all(np.array_equal(host[i], page_for(k, LAYOUT.page_bytes)) for i, k in enumerate(keys))
+
+
+def test_a_failed_registration_raises():
+    # an address range that is not mapped cannot be pinned: an error, never a fall-back
+    cuda_backend.init_driver(torch.cuda.current_device())
+    cu = cuda_backend._driver()
+    with pytest.raises(cuda_backend.CudaError):
+        cuda_backend.check(cu.cuMemHostRegister(4096, 4096, cu.CU_MEMHOSTREGISTER_DEVICEMAP),
+                           "cuMemHostRegister")
