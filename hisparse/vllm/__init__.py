@@ -1,1 +1,34 @@
-"""vllm."""
+"""hisparsed as the tier of vLLM's ``OffloadingConnector`` (vLLM 0.34's ``vllm.v1.kv_offload``).
+
+vLLM loads ``HiSparseOffloadingSpec`` from here by name::
+
+    --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
+      "kv_connector_extra_config":{"spec_name":"HiSparseOffloadingSpec",
+      "spec_module_path":"hisparse.vllm"}}'
+
+vLLM itself is imported on first use of an attribute, so ``import
+hisparse.vllm`` works (and ``hisparse`` never pulls vLLM in) where vLLM is
+not installed. See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "HiSparseOffloadingSpec": "hisparse.vllm.spec",
+    "HiSparseOffloadingManager": "hisparse.vllm.manager",
+    "HiSparseOffloadingWorker": "hisparse.vllm.worker",
+    "AdapterConfig": "hisparse.vllm.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hisparse.vllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = sorted(_EXPORTS)
