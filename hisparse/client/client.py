@@ -191,7 +191,7 @@ class Client:
         keys = list(keys)
         if len(set(keys)) != len(keys):
             raise InvalidArgument("store: a key is listed twice")
-        pages = _as_pages(pages, len(keys), self.layout.page_bytes, "pages", exact=True)
+        pages = backends.check_pages(pages, len(keys), self.layout.page_bytes, "pages", exact=True)
         if not keys:
             return 0
         backend = backends.for_tensor(pages)
@@ -271,7 +271,7 @@ class Client:
         ``out``: uint8 ``[>= len(keys), page_bytes]``, CPU or CUDA, rows contiguous.
         """
         keys = list(keys)
-        out = _as_pages(out, len(keys), self.layout.page_bytes, "out", exact=False)
+        out = backends.check_pages(out, len(keys), self.layout.page_bytes, "out", exact=False)
         if not keys:
             return 0
         backend = backends.for_tensor(out)
@@ -397,33 +397,3 @@ class Client:
 
 def _chunks(keys: list[bytes]) -> list[list[bytes]]:
     return [keys[i:i + MAX_KEYS_PER_REQUEST] for i in range(0, len(keys), MAX_KEYS_PER_REQUEST)]
-
-
-def _as_pages(pages: Any, n: int, page_bytes: int, name: str, *, exact: bool) -> Any:
-    """A uint8 ``[rows, page_bytes]`` tensor (or numpy array) with contiguous rows.
-
-    Numpy arrays stay numpy: the CPU backend copies them without importing torch.
-    """
-    if isinstance(pages, np.ndarray):
-        dtype, shape, strides = pages.dtype, pages.shape, pages.strides
-        ok_type = dtype == np.uint8
-    else:
-        import torch
-
-        if not isinstance(pages, torch.Tensor):
-            raise InvalidArgument(f"{name} must be a torch.Tensor, not {type(pages).__name__}")
-        dtype, shape, strides = pages.dtype, tuple(pages.shape), pages.stride()
-        ok_type = dtype == torch.uint8
-    if not ok_type or len(shape) != 2 or shape[1] != page_bytes:
-        raise InvalidArgument(f"{name} must be uint8 [rows, {page_bytes}], not {dtype} {list(shape)}")
-    if (shape[0] != n) if exact else (shape[0] < n):
-        want = f"{n}" if exact else f"at least {n}"
-        raise InvalidArgument(f"{name} has {shape[0]} rows for {n} keys; it needs {want}")
-    if shape[0] and ((shape[0] > 1 and strides[0] != page_bytes) or strides[1] != 1):
-        if not exact:
-            raise InvalidArgument(f"{name} must have contiguous rows to be written in place")
-        # a copy: stores of strided pages pay for it
-        pages = np.ascontiguousarray(pages) if isinstance(pages, np.ndarray) else pages.contiguous()
-    if not exact and isinstance(pages, np.ndarray) and not pages.flags.writeable:
-        raise InvalidArgument(f"{name} is read-only")
-    return pages

@@ -57,6 +57,8 @@ class Pin:
     def _check_held(self) -> None:
         if self._released:
             raise InvalidArgument("this pin was released")
+        if self._client._closed:
+            raise InvalidArgument("the client that took this pin is closed")
         if not self._client._session_is_live(self._session):
             raise LeaseExpired("the session that took this pin is gone (daemon restart or lease "
                                "expiry); its pages may have been reused: pin again")

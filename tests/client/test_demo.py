@@ -19,3 +19,16 @@ def test_demo_engines_share_a_prefix(capsys):
     assert rows["A"][3:5] == ["8", "0"] and rows["B"][3:5] == ["8", "6"]
     assert "yes" in rows["A"] and "yes" in rows["B"]
     assert "the daemon holds 10 pages" in out
+
+
+def test_bandwidth_benchmark_runs_and_prints_its_ratio():
+    import subprocess
+    import sys
+
+    from tests.client.engine import REPO
+
+    done = subprocess.run([sys.executable, "benchmarks/bandwidth.py", "--size", "4MiB", "--reps", "2",
+                           "--layout", "8,64,656"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("ratio store ") and " load " in last, done.stdout
