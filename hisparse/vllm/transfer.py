@@ -8,8 +8,9 @@ load never queues behind regular loads.
 - ``CpuCopyEngine``: one thread per lane, ``ctypes.memmove`` per copy. For
   CPU KV caches (tests, CPU-only engines): real copies, same addresses.
 - ``CudaCopyEngine``: one CUDA stream per lane, all of a job's copies in one
-  ``swap_blocks_batch`` call (vLLM's batched ``cuMemcpyBatchAsync``), timed
-  by a pair of events; the stream first waits for the engine's current
+  ``swap_blocks_batch`` call (vLLM's batched ``cuMemcpyBatchAsync``; one
+  ``cuMemcpyAsync`` each where vLLM's compiled ops are absent), timed by a
+  pair of events; the stream first waits for the engine's current
   stream, so a store reads KV only after the step that wrote it. The region
   must be registered with the driver (``hisparse.client.backends.cuda``)
   so the copies are DMA from page-locked memory. Imports nothing from CUDA
@@ -29,6 +30,8 @@ from typing import Any, Protocol
 
 import numpy as np
 from vllm.v1.kv_offload.base import TransferResult
+
+from hisparse.errors import HisparseError
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +129,9 @@ class CudaCopyEngine:
 
     def __init__(self, device: Any) -> None:
         import torch
-        from vllm import _custom_ops as ops
 
         self._torch = torch
-        self._swap = ops.swap_blocks_batch
+        self._swap = _batched_copy()
         self.device = torch.device(device)
         self._streams = {lane: torch.cuda.Stream(device=self.device) for lane in LANES}
         self._jobs: dict[str, deque[_CudaJob]] = {lane: deque() for lane in LANES}
@@ -152,9 +154,9 @@ class CudaCopyEngine:
                 start.record(stream)
                 if len(sizes):
                     # A load reads host pages no GPU stream writes: let the DMA prefetch.
-                    self._swap(*buffers, is_src_access_order_any=lane != "store")
+                    self._swap(*buffers, stream=stream, is_src_access_order_any=lane != "store")
                 end.record(stream)
-        except RuntimeError:
+        except (RuntimeError, HisparseError):
             log.exception("hisparse %s copy job %d failed to launch", lane, job_id)
             self._failed.append(TransferResult(job_id=job_id, success=False))
             return
@@ -199,3 +201,33 @@ class CudaCopyEngine:
                 except RuntimeError:
                     log.exception("hisparse copy job %d failed at shutdown", job.job_id)
             queue.clear()
+
+
+def _batched_copy() -> Any:
+    """vLLM's ``swap_blocks_batch`` (one driver call per job), else one ``cuMemcpyAsync`` per copy.
+
+    The fallback serves a vLLM whose compiled ops cannot load (an install
+    without its dependencies); it needs cuda-python, as hisparse's CUDA backend does.
+    """
+    try:
+        from vllm import _custom_ops as ops
+
+        swap = ops.swap_blocks_batch
+    except ImportError as exc:
+        log.warning("vllm._custom_ops unavailable (%s): hisparse copies with one cuMemcpyAsync "
+                    "per block and layer", exc)
+        return _memcpy_async_each
+
+    def batched(src: Any, dst: Any, sizes: Any, *, stream: Any, is_src_access_order_any: bool) -> None:
+        swap(src, dst, sizes, is_src_access_order_any=is_src_access_order_any)  # on the current stream
+
+    return batched
+
+
+def _memcpy_async_each(src: Any, dst: Any, sizes: Any, *, stream: Any, is_src_access_order_any: bool) -> None:
+    from hisparse.client.backends.cuda import _driver, check
+
+    cu = _driver()
+    handle = cu.CUstream(stream.cuda_stream)
+    for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
+        check(cu.cuMemcpyAsync(d, s, n, handle), "cuMemcpyAsync")
