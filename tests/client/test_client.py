@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -215,3 +217,47 @@ def test_stats_and_close(hisparsed):
     cl.close()
     with pytest.raises(hisparse.InvalidArgument):
         cl.lookup(keys)
+
+
+def test_an_interrupted_copy_aborts_its_reservations(daemon_factory):
+    # A real failure in the middle of a store's copy: a signal handler raising
+    # between the per-run copies. What was reserved must be aborted, never committed.
+    import signal
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_: object) -> None:
+        raise Interrupted
+
+    d = daemon_factory(capacity="256MiB", lease_ttl=5)
+    layout = hisparse.KVLayout(8, 64, 656)
+    rng = np.random.default_rng(7)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with client.attach("abort", layout, socket=d.socket, capacity="200MiB") as cl:
+            for attempt in range(50):
+                keys = chain(f"abort{attempt}", 128)
+                pages = pages_for(keys, layout.page_bytes)
+                cl.store(keys[::2], pages[::2])  # the rest is written in 64 one-page runs
+                before = cl.stats()["namespaces"]["abort"]["aborted_pages"]
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0002, 0.004))
+                try:
+                    cl.store(keys, pages)
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                except Interrupted:
+                    pass
+                ns = cl.stats()["namespaces"]["abort"]
+                if ns["aborted_pages"] > before:
+                    break
+            else:
+                pytest.fail("the interrupt never landed inside a copy")
+            assert all(cl.lookup([k]) == 0 for k in keys[1::2])  # none of them visible
+            started = time.monotonic()
+            assert cl.store(keys, pages) == 64  # all free again: none left WRITING (BUSY)
+            assert time.monotonic() - started < 2.0
+            out = np.zeros_like(pages)
+            assert cl.load(keys, out) == 128 and np.array_equal(out, pages)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
