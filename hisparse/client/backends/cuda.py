@@ -158,22 +158,30 @@ def register(region: RegionMap, device_index: int = 0) -> Registration:
             device_addresses = [int(check(cu.cuMemHostGetDevicePointer(a, 0), "cuMemHostGetDevicePointer"))
                                 for a, _ in chunks]
         except BaseException:
-            for chunk_address, _ in done:
-                cu.cuMemHostUnregister(chunk_address)  # best effort; the first error is what matters
+            _unregister_quietly([a for a, _ in done])
             raise
         base = device_addresses[0]
         for (chunk_address, _), dptr in zip(chunks, device_addresses):
             # One tensor spans the region, so its device range must be contiguous
             # too (it always is under UVA, where it equals the host range).
             if dptr - base != chunk_address - address:
-                for a, _ in chunks:
-                    cu.cuMemHostUnregister(a)
+                _unregister_quietly([a for a, _ in chunks])
                 raise CudaError("the region's device mapping is not contiguous across chunks")
         reg = Registration(address, size, base, tuple(chunks))
         _REGISTRY[address] = (reg, region)
         log.info("registered region %s (%s) with CUDA in %d chunk(s) in %.2f s",
                  region.path, format_size(size), len(chunks), time.monotonic() - started)
         return reg
+
+
+def _unregister_quietly(addresses: list[int]) -> None:
+    """Undo a partial registration; the error that caused it is the one worth raising."""
+    cu = _driver()
+    for chunk_address in addresses:
+        try:
+            check(cu.cuMemHostUnregister(chunk_address), "cuMemHostUnregister")
+        except CudaError as exc:
+            log.warning("%s", exc)
 
 
 class _DeviceArray:
