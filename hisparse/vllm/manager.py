@@ -233,7 +233,7 @@ class HiSparseOffloadingManager(OffloadingManager):
             # The session died with its reservations: nothing to publish, nothing to free.
             log.warning("commit of %d pages lost with its session (%s)", len(keys), exc)
             for key in keys:
-                del self._writing[key]
+                self._writing.pop(key, None)
             return
         except HisparseError as exc:
             self._failed("commit", exc)
@@ -345,23 +345,15 @@ class HiSparseOffloadingManager(OffloadingManager):
         check_key(key, self._config)
         self._key_checked = True
 
-    def _refresh(self) -> None:
+    def _refresh(self) -> list[Change]:
+        """Bring the mirror up to date, then retry releases that failed; returns the changes."""
         if self._clock() < self._down_until:
-            return
+            return []
         try:
             changes = self._mirror.refresh()
         except HisparseError as exc:
             self._failed("events", exc)
-            return
-        self._absorb(changes)
-        retries, self._retries = self._retries, []
-        for op, session, keys in retries:
-            if op == "commit":
-                self._commit(session, keys, None)
-            else:
-                self._release(op, session, keys)
-
-    def _absorb(self, changes: list[Change]) -> list[Change]:
+            return []
         removed = []
         for change in changes:
             if not change.evicted:
@@ -371,19 +363,21 @@ class HiSparseOffloadingManager(OffloadingManager):
                 removed.append(change.key)
         if removed and self._events is not None:
             self._events.append(OffloadingEvent(keys=removed, medium=self.medium, removed=True))
+        retries, self._retries = self._retries, []
+        for i, (op, session, keys) in enumerate(retries):
+            if self._clock() < self._down_until:  # failed again: the rest waits for the next refresh
+                self._retries.extend(retries[i:])
+                break
+            if op == "commit":
+                self._commit(session, keys, None)
+            else:
+                self._release(op, session, keys)
         return changes
 
     def _evictions_of(self, pages: list[int]) -> list[OffloadKey]:
         """Keys whose pages our reserve just took: the daemon evicted them for us."""
-        if self._clock() < self._down_until:
-            return []
-        try:
-            changes = self._mirror.refresh()
-        except HisparseError as exc:
-            self._failed("events", exc)
-            return []
         ours = set(pages)
-        evicted = [OffloadKey(c.key) for c in self._absorb(changes) if c.evicted and c.page in ours]
+        evicted = [OffloadKey(c.key) for c in self._refresh() if c.evicted and c.page in ours]
         self._counts["EVICTED_KEYS"] += len(evicted)
         return evicted
 

@@ -277,3 +277,16 @@ def test_daemon_away_costs_one_timeout_then_misses_fast(engines):
     engines.daemon.start()
     time.sleep(DOWN_BACKOFF_S)
     assert lookups(manager, [1, 2, 3]) == [HIT, HIT, MISS]
+
+
+def test_a_store_across_a_daemon_restart_publishes_nothing(engines):
+    manager = engines().manager
+    store(manager, [1])
+    manager.prepare_store(to_keys([2]), req())
+    engines.daemon.restart()  # committed [1] is adopted; the reservation of [2] dies
+
+    manager.complete_store(to_keys([2]), req())
+    assert lookups(manager, [1, 2]) == [HIT, MISS]
+    # the next store of [2] reserves on the new session
+    assert store(manager, [2]).keys_to_store == to_keys([2])
+    assert lookups(manager, [2]) == [HIT]
