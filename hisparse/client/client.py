@@ -184,9 +184,9 @@ class Client:
         """Store pages for keys not yet committed; returns how many were newly written.
 
         ``pages``: uint8 ``[len(keys), page_bytes]``, CPU or CUDA (or a numpy
-        array, copied without torch). Stops quietly
-        at the first key the region has no room for. Keys another session is
-        writing are waited for (bounded by ``timeout_s`` plus the lease ttl).
+        array, copied without torch). Stops quietly at the first key the region
+        has no room for. Keys another session (or thread) is writing are waited
+        for, bounded by ``timeout_s`` plus the lease ttl, then ``Timeout``.
         """
         keys = list(keys)
         if len(set(keys)) != len(keys):

@@ -110,13 +110,20 @@ class Transport:
         or the ``HisparseError`` that an error reply names.
         """
         deadline = time.monotonic() + timeout_s
-        with self._lock:
+        # Another thread's request (a heartbeat to an absent daemon) may hold
+        # the socket: waiting for it counts against this call's timeout too.
+        if not self._lock.acquire(timeout=max(timeout_s, 0.0)):
+            raise DaemonUnavailable(
+                f"the daemon on {self.socket_path} did not answer in time ({op.value} not sent)")
+        try:
             if self._closed:
                 raise DaemonUnavailable(f"transport to {self.socket_path} is closed")
             rid = next(self._ids)
             frame = protocol.encode_request(op, rid, **fields)
             self._send(frame, op, deadline)
             reply = self._receive(rid, op, deadline)
+        finally:
+            self._lock.release()
         return reply.result()
 
     def _send(self, frame: bytes, op: Op, deadline: float) -> None:

@@ -106,3 +106,26 @@ def test_one_client_serves_many_threads(hisparsed):
         assert errors == []
         ns = cl.stats()["namespaces"]["threads"]
         assert ns["committed_pages"] == 20 * 7 and ns["pinned_pages"] == 0
+
+
+def test_calls_from_many_threads_each_keep_their_timeout(hisparsed):
+    # one socket, one request in flight: waiting for the socket counts against the timeout
+    with client.attach("hung", LAYOUT, socket=hisparsed.socket, capacity="1MiB", timeout_s=0.3) as cl:
+        os.kill(hisparsed.pid, signal.SIGSTOP)
+        took: list[float] = []
+        try:
+            def call() -> None:
+                started = time.monotonic()
+                with pytest.raises(hisparse.DaemonUnavailable):
+                    cl.lookup(chain("hung", 2))
+                took.append(time.monotonic() - started)
+
+            threads = [threading.Thread(target=call) for _ in range(4)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(10)
+        finally:
+            os.kill(hisparsed.pid, signal.SIGCONT)
+        assert len(took) == 4 and max(took) < 0.6, took
+        assert cl.lookup(chain("hung", 2)) == 0  # and the client works on
