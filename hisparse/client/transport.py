@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import tempfile
 import threading
 import time
 from typing import Any
@@ -28,44 +27,16 @@ import zmq
 
 from hisparse import protocol
 from hisparse.errors import DaemonUnavailable, InvalidArgument
+from hisparse.paths import default_socket_path  # the one rule daemon and clients share
 from hisparse.protocol import Op
 
 log = logging.getLogger(__name__)
 
-SYSTEM_SOCKET_PATH = "/run/hisparsed/hisparsed.sock"  # where the systemd unit puts it
-SOCKET_ENV = "HISPARSE_SOCKET"
-SOCKET_NAME = "hisparsed.sock"
+__all__ = ["Transport", "default_socket_path", "endpoint_for", "ping", "wait_for_daemon"]
 
 RECONNECT_IVL_MS = 50
 RECONNECT_IVL_MAX_MS = 500  # a restarted daemon is found within half a second
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
-
-
-def embedded_default_socket_path() -> str:
-    """The socket a daemon without a config listens on, and clients fall back to.
-
-    ``$XDG_RUNTIME_DIR/hisparsed/hisparsed.sock`` when that directory exists and
-    is writable (a per-user tmpfs), else ``<tmp>/hisparsed-$UID/hisparsed.sock``.
-    The daemon's config applies the same rule (a test holds them together).
-    """
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime_dir and os.path.isdir(runtime_dir) and os.access(runtime_dir, os.W_OK):
-        return os.path.join(runtime_dir, "hisparsed", SOCKET_NAME)
-    return os.path.join(tempfile.gettempdir(), f"hisparsed-{os.getuid()}", SOCKET_NAME)
-
-
-def default_socket_path() -> str:
-    """The socket ``attach(socket=None)`` uses.
-
-    ``$HISPARSE_SOCKET``, else the system daemon's socket if it exists, else
-    the embedded default (``embedded_default_socket_path``).
-    """
-    from_env = os.environ.get(SOCKET_ENV)
-    if from_env:
-        return from_env
-    if os.path.exists(SYSTEM_SOCKET_PATH):
-        return SYSTEM_SOCKET_PATH
-    return embedded_default_socket_path()
 
 
 def endpoint_for(socket_path: str) -> str:

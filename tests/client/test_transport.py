@@ -13,7 +13,7 @@ import pytest
 import hisparse
 from hisparse import client
 from hisparse.client import transport
-from hisparse.daemon.config import embedded_socket_path
+from hisparse.paths import SYSTEM_SOCKET, embedded_socket_path
 from hisparse.protocol import Op
 from tests.client.engine import chain, pages_for
 
@@ -24,7 +24,7 @@ def test_default_socket_resolution(monkeypatch, tmp_path):
     monkeypatch.setenv("HISPARSE_SOCKET", "/somewhere/h.sock")
     assert transport.default_socket_path() == "/somewhere/h.sock"
     monkeypatch.delenv("HISPARSE_SOCKET")
-    if os.path.exists(transport.SYSTEM_SOCKET_PATH):
+    if os.path.exists(SYSTEM_SOCKET):
         pytest.skip("a system hisparsed is installed here")
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert transport.default_socket_path() == str(tmp_path / "hisparsed" / "hisparsed.sock")
