@@ -78,7 +78,7 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
     Op.RESERVE: {"slots": "list[int], one per key processed in order: a page id to write, "
                           "SLOT_COMMITTED or SLOT_BUSY; shorter than keys when the region is full"},
     Op.COMMIT: {"committed": "int"},
-    Op.ABORT: {"aborted": "int"},
+    Op.ABORT: {"aborted": "int (the request may say missing_ok: true to skip keys not held)"},
     Op.PIN: {"count": "int: leading keys pinned", "pages": "list[int]: their page ids"},
     Op.UNPIN: {"unpinned": "int"},
     Op.HEARTBEAT: {"lease_ttl_s": "float"},
@@ -194,6 +194,9 @@ class KeysRequest(Request):
     """lookup, reserve, commit, abort, pin, unpin."""
 
     keys: tuple[bytes, ...]
+    # abort only: skip keys this session does not hold instead of refusing
+    # (a client whose reserve reply was lost cleans up what it may hold)
+    missing_ok: bool = False
 
 
 @dataclass(frozen=True)
@@ -318,7 +321,8 @@ def decode_request(frame: bytes) -> Request:
         return AdminRequest(op, rid, session, token, namespace)
     session = _field(msg, "session", (int,))
     if op in _KEY_OPS:
-        return KeysRequest(op, rid, session, _keys(msg))
+        missing_ok = _field(msg, "missing_ok", (bool,), optional=True) if op is Op.ABORT else None
+        return KeysRequest(op, rid, session, _keys(msg), bool(missing_ok))
     if op is Op.EVENTS:
         return EventsRequest(op, rid, session, _field(msg, "after", (int,)), _limit(msg))
     if op is Op.KEYS:

@@ -214,7 +214,7 @@ class Client:
         busy_deadline = None
         poll_s = BUSY_POLL_MIN_S
         while todo:
-            body, session = self._call(Op.RESERVE, keys=[keys[i] for i in todo])
+            body, session = self._reserve([keys[i] for i in todo])
             slots = body["slots"]
             full = full or len(slots) < len(todo)
             mine = [(todo[j], s) for j, s in enumerate(slots) if s >= 0]
@@ -242,6 +242,23 @@ class Client:
             poll_s = min(poll_s * 2, BUSY_POLL_MAX_S)
             todo = busy
         return written, full
+
+    def _reserve(self, keys: list[bytes]) -> tuple[dict[str, Any], _Session]:
+        """reserve; if its reply is lost, abort whatever it may have reserved, at once."""
+        session = self._current()
+        try:
+            return self._call(Op.RESERVE, keys=keys)
+        except LeaseExpired:
+            raise
+        except BaseException:
+            # Timeout, Ctrl-C: the daemon may have reserved pages whose ids we never
+            # learned. Without this they would stay WRITING while heartbeats keep the lease.
+            try:
+                self._call_in(session, Op.ABORT, keys=keys, missing_ok=True)
+            except BaseException as exc:
+                log.warning("abort after a lost reserve reply failed (%s); the lease reaper "
+                            "frees those pages if this client dies", exc)
+            raise
 
     def _write(self, session: _Session, keys: list[bytes], pages: Any,
                mine: list[tuple[int, int]], backend: backends.Backend) -> None:

@@ -135,7 +135,13 @@ def handle_commit(ctx: DaemonContext, session: Session, req: KeysRequest) -> dic
 
 
 def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    return {"aborted": _settle(session, req, "abort", _ns(session).index.abort)}
+    index = _ns(session).index
+    if req.missing_ok:
+        held = [key for key in dict.fromkeys(req.keys) if key in session.reservations]
+        for key in held:
+            index.abort(key, session.reservations.pop(key))
+        return {"aborted": len(held)}
+    return {"aborted": _settle(session, req, "abort", index.abort)}
 
 
 def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:

@@ -334,3 +334,14 @@ def test_unwritable_socket_directory_is_one_clear_line(tmp_path):
                         str(blocked / "hisparsed.sock"), "--shm-dir", str(tmp_path / "shm")],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 1 and "cannot start" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_abort_missing_ok_releases_what_a_lost_reserve_took(hisparsed, clients):
+    c = clients(hisparsed)
+    k = keys_for("lost", 4)
+    c.call(Op.RESERVE, keys=k[:2])  # pretend this reply never arrived
+    assert c.request(Op.ABORT, keys=k).error_code == ErrorCode.NOT_HELD.value, "strict by default"
+    assert c.call(Op.ABORT, keys=k, missing_ok=True) == {"aborted": 2}
+    ns = c.call(Op.STATS)["namespaces"]["ns"]
+    assert ns["writing_pages"] == 0 and ns["free_pages"] == ns["num_pages"]
+    assert c.request(Op.ABORT, keys=k, missing_ok="yes").error_code == ErrorCode.PROTOCOL_ERROR.value
