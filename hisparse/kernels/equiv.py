@@ -136,8 +136,7 @@ def _check_request(b: int, before: dict[str, Any], ref_rows: torch.Tensor,
     victims = [row_to_h[int(r)] for r in got_u[got_loaded].tolist()]
     if len(set(victims)) != len(victims):
         out.append(f"request {b}: two loaded positions share a victim")
-    for p, h in zip(u[got_loaded].tolist(), victims):
-        out += _check_loaded(b, p, h, before, got_state, bt, step)
+    out += _check_loaded(b, u[got_loaded], torch.tensor(victims, dtype=torch.long), before, got_state, bt, step)
     hit = torch.zeros(tags0.numel(), dtype=torch.bool)
     if bool(hit_u.any()):
         hit[match[hit_u].int().argmax(1)] = True  # the smallest h holding the tag
@@ -161,19 +160,24 @@ def _check_request(b: int, before: dict[str, Any], ref_rows: torch.Tensor,
     return out
 
 
-def _check_loaded(b: int, p: int, h: int, before: dict[str, Any], got_state: dict[str, torch.Tensor],
-                  bt: int, step: int) -> list[str]:
+def _check_loaded(b: int, pos: torch.Tensor, vic: torch.Tensor, before: dict[str, Any],
+                  got_state: dict[str, torch.Tensor], bt: int, step: int) -> list[str]:
+    """Each loaded position ``pos[i]`` owns victim ``vic[i]``: tag, stamp and bytes."""
+    if pos.numel() == 0:
+        return []
     out = []
     nb = before["host_pages"].shape[1]
-    page = int(before["host_pages"][b, p // bt]) if p // bt < nb else -1
-    if page < 0:
-        return [f"request {b}: position {p} loaded without a host page"]
-    if p // bt < nb and int(before["resident_blocks"][b, p // bt]) >= 0:
-        out.append(f"request {b}: resident position {p} was loaded")
-    if int(got_state["hot_tags"][b, h]) != p or int(got_state["hot_stamp"][b, h]) != step:
-        out.append(f"request {b}: victim {h} of position {p} has tag/stamp "
-                   f"{int(got_state['hot_tags'][b, h])}/{int(got_state['hot_stamp'][b, h])}")
-    row = int(before["hot_rows"][b, h])
-    if not torch.equal(got_state["kv_rows"][row], before["host_rows"][page * bt + p % bt]):
-        out.append(f"request {b}: row {row} of position {p} does not hold its host row")
+    in_table = pos // bt < nb
+    blk = torch.where(in_table, pos // bt, 0)
+    page = torch.where(in_table, before["host_pages"][b][blk], -1)
+    if bool((page < 0).any()):
+        return [f"request {b}: positions {pos[page < 0][:5].tolist()} loaded without a host page"]
+    if bool((before["resident_blocks"][b][blk] >= 0).any()):
+        out.append(f"request {b}: a resident position was loaded")
+    tags, stamps = got_state["hot_tags"][b][vic].long(), got_state["hot_stamp"][b][vic]
+    if not torch.equal(tags, pos) or bool((stamps != step).any()):
+        out.append(f"request {b}: victims of loaded positions lack their new tag or stamp")
+    rows = before["hot_rows"][b][vic].long()
+    if not torch.equal(got_state["kv_rows"][rows], before["host_rows"][page * bt + pos % bt]):
+        out.append(f"request {b}: a loaded row does not hold its host row")
     return out
