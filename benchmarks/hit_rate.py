@@ -98,17 +98,28 @@ def ensure_blocks(session: SparseSession, alloc: BlockAllocator, req: SparseRequ
         session.spill(req)
 
 
-def run_config(sock: str, bench: Bench, overlap: float, hot: int, policy: str) -> dict[str, float]:
-    """One (overlap, H, policy) run: returns per-step averages after the warm-up."""
+def make_trace(bench: Bench, overlap: float) -> tuple[TraceParams, list[np.ndarray], list[np.ndarray]]:
+    """The trace of one overlap, made once and replayed for every (H, policy)."""
     params = TraceParams(num_requests=bench.requests, context_tokens=bench.context_tokens, topk=bench.topk,
                          mtp=bench.mtp, target_overlap=overlap, seed=7)
     trace = TopkTrace(params)
-    total_steps = bench.warmup_steps + bench.steps
+    contexts, selections = [], []
+    for _ in range(bench.warmup_steps + bench.steps):
+        contexts.append(trace.context_tokens)
+        selections.append(trace.step()[:, 0])  # group 0: one layer's view
+    return params, contexts, selections
+
+
+def run_config(sock: str, bench: Bench, trace: tuple[TraceParams, list[np.ndarray], list[np.ndarray]],
+               hot: int, policy: str) -> dict[str, float]:
+    """One (trace, H, policy) run: returns per-step averages after the warm-up."""
+    params, contexts, selections = trace
+    total_steps = len(selections)
     max_tokens = bench.context_tokens + total_steps * params.growth + params.q_rows
     max_blocks = -(-max_tokens // BLOCK_TOKENS)
     layout = hisparse.KVLayout(num_layers=1, block_tokens=BLOCK_TOKENS, row_bytes=SIM_ROW_BYTES)
     capacity = layout.page_bytes * bench.requests * (max_blocks + 8)
-    c = client.attach(f"bench/{policy}/{hot}/{overlap}", layout, socket=sock, capacity=capacity)
+    c = client.attach(f"bench/{policy}/{hot}/{params.target_overlap}", layout, socket=sock, capacity=capacity)
     engine_blocks = bench.requests * (max_blocks + -(-hot // BLOCK_TOKENS) + 1)
     kv = [torch.zeros((engine_blocks * BLOCK_TOKENS, SIM_ROW_BYTES), dtype=torch.uint8)]
     alloc = BlockAllocator(engine_blocks)
@@ -121,10 +132,9 @@ def run_config(sock: str, bench: Bench, overlap: float, hot: int, policy: str) -
     sums = np.zeros(4)
     try:
         for step in range(total_steps):
-            for req, ctx in zip(reqs, trace.context_tokens):
+            for req, ctx in zip(reqs, contexts[step]):
                 ensure_blocks(session, alloc, req, int(ctx) + params.q_rows)
-            sel = torch.from_numpy(trace.step()[:, 0])  # group 0: one layer's view
-            _, counters = session.resolve(reqs, 0, sel, step + 1)
+            _, counters = session.resolve(reqs, 0, torch.from_numpy(selections[step]), step + 1)
             if step >= bench.warmup_steps:
                 sums += counters.sum(0).numpy()
     finally:
@@ -154,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'overlap':>7} {'H/K':>3} {'policy':>6} {'hit %':>6} {'miss/req':>8} {'ovf/req':>7} "
               f"{'MB/step':>8} {'GB/step x78':>11}")
         for overlap in bench.overlaps:
+            trace = make_trace(bench, overlap)
             for factor in bench.hot_factors:
                 for policy in ("lru", "fifo"):
-                    r = run_config(sock, bench, overlap, factor * bench.topk, policy)
+                    r = run_config(sock, bench, trace, factor * bench.topk, policy)
                     results[(overlap, factor, policy)] = r
                     print(f"{overlap:7.2f} {factor:3d} {policy:>6} {100 * r['hit_rate']:6.2f} "
                           f"{r['miss_per_req']:8.1f} {r['overflow_per_req']:7.1f} {r['host_mb_layer']:8.3f} "

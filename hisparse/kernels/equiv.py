@@ -52,7 +52,8 @@ def compare(
     num_real = min(int(before["num_real_reqs"].reshape(-1)[0]), batch)
     touched = torch.zeros(before["kv_rows"].shape[0], dtype=torch.bool)
     if not torch.equal(ref_cnt, got_cnt):
-        problems.append(f"counters differ: ref {ref_cnt.tolist()} got {got_cnt.tolist()}")
+        b = int(torch.nonzero((ref_cnt != got_cnt).any(1))[0])
+        problems.append(f"counters differ, first at request {b}: ref {ref_cnt[b].tolist()} got {got_cnt[b].tolist()}")
     for b in range(batch):
         if b >= num_real:
             problems += _check_padded(b, before, got_rows, got_cnt, got_state)

@@ -224,6 +224,11 @@ def resolve(
     if host_w.dtype != kv_w.dtype:  # both tables must be moved in the same unit
         host_w, kv_w = host_rows, kv_rows
     row_words = host_w.shape[1]
+    row_block = triton.next_power_of_2(row_words)
+    # A copy tile of at most 8K elements keeps it in registers; the byte-wise
+    # fallback (rows not a multiple of 4 bytes) gets fewer rows per tile.
+    assert copy_rows > 0 and copy_rows & (copy_rows - 1) == 0, "copy_rows must be a power of two"
+    copy_rows = max(1, min(copy_rows, 8192 // row_block))
     e_block, h_block = _block(qk), _block(hot_rows.shape[1])
     if num_warps is None:
         num_warps = 16 if e_block >= 8192 else 8 if e_block >= 2048 else 4
@@ -237,7 +242,7 @@ def resolve(
         hot_rows.stride(0), hot_rows.stride(1), hot_tags.stride(0), hot_tags.stride(1),
         hot_stamp.stride(0), hot_stamp.stride(1), counters.stride(0),
         HOST_STRIDE=host_w.stride(0), KV_STRIDE=kv_w.stride(0),
-        ROW_WORDS=row_words, ROW_BLOCK=triton.next_power_of_2(row_words), COPY_ROWS=copy_rows,
+        ROW_WORDS=row_words, ROW_BLOCK=row_block, COPY_ROWS=copy_rows,
         E_BLOCK=e_block, E_BITS=e_block.bit_length() - 1,
         H_BLOCK=h_block, H_BITS=h_block.bit_length() - 1,
         POS_SENT=_POS_SENT, I64_MAX=_I64_MAX,
