@@ -18,9 +18,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 import zmq
 
 from hisparse import protocol
+
+# Triton picks interpreter or compiler when it is first imported, by this
+# variable: on a machine without a GPU every test that runs a kernel (the
+# kernels' own, the sparse session's) runs it on CPU tensors, interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 READY_TIMEOUT_S = 20.0
 
