@@ -13,10 +13,17 @@ allocator hands out and takes back. Per request it keeps
 
 ``spill`` stores the blocks older than the active tail (one ``store``, then
 a ``pin`` for the request's life) and hands their engine blocks back.
-``resolve`` runs the fused kernel for one layer over a batch of requests:
-resident rows as they are, hot rows where the position is already hot,
-missing rows pulled from the layer's host slab into least recently used
-hot rows. ``release`` gives everything back.
+``resolve`` runs the fused kernel for one layer over the batch: resident
+rows as they are, hot rows where the position is already hot, missing rows
+pulled from the layer's host slab into least recently used hot rows.
+``release`` gives everything back.
+
+The tables live in fixed-shape device tensors of ``max_reqs`` slots, live
+requests compacted into slots ``0..n-1`` (the kernel treats the rest as
+padding through ``num_real_reqs``). They change only when a request is
+added, grows, spills or ends, so a decode step (``resolve`` with a device
+``step`` and preallocated ``out``) reads and writes only persistent tensors
+and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -81,12 +88,10 @@ def chain_keys(request_id: str, first: int, n: int, salt: bytes = b"") -> list[b
 @dataclass
 class SparseRequest:
     request_id: str
+    slot: int  # row of the session's tables; changes when an earlier request ends
     blocks: list[int]  # engine block per logical block, -1 when spilled
     keys: list[bytes]  # one per logical block
-    hot_blocks: list[int]
-    hot_rows: torch.Tensor  # int32 [H]
-    hot_tags: torch.Tensor  # int32 [L, H], position held by each hot row per layer
-    hot_stamp: torch.Tensor  # int64 [L, H]
+    hot_blocks: list[int]  # engine blocks whose rows are this request's hot rows
     host_pages: list[int] = field(default_factory=list)  # region page per logical block, -1
     pins: list[Pin] = field(default_factory=list)
     released: bool = False
@@ -104,7 +109,7 @@ class SparseSession:
     """Hot rows and spilled blocks for one engine's requests (see the module docstring)."""
 
     def __init__(self, client: Client, kv_caches: Sequence[torch.Tensor], allocator: Any, *,
-                 hot_rows: int, active_tail_blocks: int = 1, max_blocks: int,
+                 hot_rows: int, active_tail_blocks: int = 1, max_blocks: int, max_reqs: int = 64,
                  resolver: Resolver | None = None) -> None:
         layout = client.layout
         if len(kv_caches) != layout.num_layers:
@@ -112,8 +117,9 @@ class SparseSession:
         for layer, kv in enumerate(kv_caches):
             if kv.dtype != torch.uint8 or kv.dim() != 2 or kv.shape[1] != layout.row_bytes:
                 raise InvalidArgument(f"kv_caches[{layer}] must be uint8 [rows, {layout.row_bytes}]")
-        if hot_rows < 1 or active_tail_blocks < 0 or max_blocks < 1:
-            raise InvalidArgument("hot_rows and max_blocks must be positive, active_tail_blocks >= 0")
+        if hot_rows < 1 or active_tail_blocks < 0 or max_blocks < 1 or max_reqs < 1:
+            raise InvalidArgument("hot_rows, max_blocks and max_reqs must be positive, "
+                                  "active_tail_blocks >= 0")
         self.client = client
         self.layout = layout
         self.kv_caches = list(kv_caches)
@@ -125,6 +131,15 @@ class SparseSession:
         self.resolver = resolver or _default_resolver(self.device)
         self._salt = os.urandom(8)
         self.requests: dict[str, SparseRequest] = {}
+        self.batch: list[SparseRequest] = []  # slot order
+        self.max_reqs = max_reqs
+        B, NB, H, L, dev = max_reqs, max_blocks, hot_rows, layout.num_layers, self.device
+        self.resident_blocks = torch.full((B, NB), -1, dtype=torch.int32, device=dev)
+        self.host_pages = torch.full((B, NB), -1, dtype=torch.int64, device=dev)
+        self.hot_rows = torch.zeros((B, H), dtype=torch.int32, device=dev)
+        self.hot_tags = torch.full((L, B, H), -1, dtype=torch.int32, device=dev)
+        self.hot_stamp = torch.zeros((L, B, H), dtype=torch.int64, device=dev)
+        self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=dev)
         self._host_rows = [client.layer_rows(layer, device=None if self.device.type == "cpu"
                                              else self.device)
                            for layer in range(layout.num_layers)]
@@ -138,27 +153,29 @@ class SparseSession:
             raise InvalidArgument(f"request {request_id!r} is already tracked")
         if len(blocks) > self.max_blocks:
             raise InvalidArgument(f"{len(blocks)} blocks; this session takes at most {self.max_blocks}")
+        if len(self.batch) >= self.max_reqs:
+            raise CapacityError(f"the session holds at most {self.max_reqs} requests")
+        keys = list(keys) if keys is not None else chain_keys(request_id, 0, len(blocks), self._salt)
+        if len(keys) != len(blocks):
+            raise InvalidArgument(f"{len(keys)} keys for {len(blocks)} blocks")
         bt = self.layout.block_tokens
         hot_blocks = self.allocator.allocate(-(-self.num_hot_rows // bt))
         rows = [b * bt + t for b in hot_blocks for t in range(bt)][: self.num_hot_rows]
-        L, H = self.layout.num_layers, self.num_hot_rows
-        req = SparseRequest(
-            request_id, list(blocks), list(keys) if keys is not None else [], hot_blocks,
-            torch.tensor(rows, dtype=torch.int32, device=self.device),
-            torch.full((L, H), -1, dtype=torch.int32, device=self.device),
-            torch.zeros((L, H), dtype=torch.int64, device=self.device),
-            [-1] * len(blocks))
-        if keys is None:
-            req.keys = chain_keys(request_id, 0, len(blocks), self._salt)
-        elif len(req.keys) != len(blocks):
-            raise InvalidArgument(f"{len(req.keys)} keys for {len(blocks)} blocks")
+        slot = len(self.batch)
+        req = SparseRequest(request_id, slot, list(blocks), keys, hot_blocks, [-1] * len(blocks))
+        self.hot_rows[slot] = torch.tensor(rows, dtype=torch.int32)
+        if blocks:
+            self.resident_blocks[slot, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         self.requests[request_id] = req
+        self.batch.append(req)
+        self.num_real_reqs.fill_(len(self.batch))
         return req
 
     def append_block(self, req: SparseRequest, block: int, key: bytes | None = None) -> None:
         """The request grew by one block (decode filled the last one)."""
         if req.num_blocks >= self.max_blocks:
             raise InvalidArgument(f"request {req.request_id!r} is at max_blocks={self.max_blocks}")
+        self.resident_blocks[req.slot, req.num_blocks] = block
         req.blocks.append(block)
         req.host_pages.append(-1)
         req.keys.append(key if key is not None else
@@ -181,11 +198,16 @@ class SparseSession:
             pin.release()
             return 0
         req.pins.append(pin)
-        freed = []
-        for b, page in zip(todo, pin.page_ids.tolist()):
+        freed, spilled = [], todo[:pin.count]
+        for b, page in zip(spilled, pin.page_ids.tolist()):
             req.host_pages[b] = page
             freed.append(req.blocks[b])
             req.blocks[b] = -1
+        idx = torch.tensor(spilled, dtype=torch.int64, device=self.device)
+        # host page first: a reader of the tables never sees a block in neither place
+        self.host_pages[req.slot].index_copy_(0, idx, torch.tensor(
+            [req.host_pages[b] for b in spilled], dtype=torch.int64, device=self.device))
+        self.resident_blocks[req.slot].index_fill_(0, idx, -1)
         self.allocator.free(freed)
         return len(freed)
 
@@ -198,6 +220,26 @@ class SparseSession:
             pin.release()
         self.allocator.free([b for b in req.blocks if b >= 0] + req.hot_blocks)
         self.requests.pop(req.request_id, None)
+        last = self.batch.pop()
+        if last is not req:  # keep slots 0..n-1 dense: the last request moves into the hole
+            self._move_slot(last.slot, req.slot)
+            last.slot = req.slot
+            self.batch[req.slot] = last
+        self._clear_slot(len(self.batch))
+        self.num_real_reqs.fill_(len(self.batch))
+
+    def _move_slot(self, src: int, dst: int) -> None:
+        for table in (self.resident_blocks, self.host_pages, self.hot_rows):
+            table[dst].copy_(table[src])
+        self.hot_tags[:, dst].copy_(self.hot_tags[:, src])
+        self.hot_stamp[:, dst].copy_(self.hot_stamp[:, src])
+
+    def _clear_slot(self, slot: int) -> None:
+        self.resident_blocks[slot].fill_(-1)
+        self.host_pages[slot].fill_(-1)
+        self.hot_rows[slot].fill_(0)
+        self.hot_tags[:, slot].fill_(-1)
+        self.hot_stamp[:, slot].fill_(0)
 
     def _gather_pages(self, engine_blocks: list[int]) -> torch.Tensor:
         """Logical page bytes ``[n, page_bytes]`` of engine blocks, layer-major per page."""
@@ -211,51 +253,35 @@ class SparseSession:
 
     # -- the decode step --
 
-    def tables(self, reqs: Sequence[SparseRequest], max_reqs: int | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(num_real_reqs, resident_blocks, host_pages, hot_rows)``, padded to ``max_reqs``."""
-        B = max_reqs or len(reqs)
-        if len(reqs) > B:
-            raise InvalidArgument(f"{len(reqs)} requests for a batch of {B}")
-        NB, H = self.max_blocks, self.num_hot_rows
-        resident = torch.full((B, NB), -1, dtype=torch.int32)
-        host = torch.full((B, NB), -1, dtype=torch.int64)
-        hot = torch.zeros((B, H), dtype=torch.int32)
-        for i, req in enumerate(reqs):
-            resident[i, :req.num_blocks] = torch.tensor(req.blocks, dtype=torch.int32)
-            host[i, :req.num_blocks] = torch.tensor(req.host_pages, dtype=torch.int64)
-            hot[i] = req.hot_rows.cpu()
-        n = torch.tensor([len(reqs)], dtype=torch.int32)
-        dev = self.device
-        return n.to(dev), resident.to(dev), host.to(dev), hot.to(dev)
-
-    def resolve(self, reqs: Sequence[SparseRequest], layer: int, topk: torch.Tensor, step: int
+    def resolve(self, reqs: Sequence[SparseRequest], layer: int, topk: torch.Tensor,
+                step: int | torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Physical rows of ``topk`` (int32 ``[B, Q, K]``, request-relative positions) for one layer.
+        """Physical rows of ``topk`` (int32 ``[B, Q, K]``) for one layer; row ``i`` is slot ``i``.
 
-        The hot-row state of ``layer`` is updated in place, and missing rows
-        are copied into that layer's KV cache. Returns ``(phys_rows,
-        counters)`` as ``hisparse.kernels.resolve`` does.
+        ``reqs`` is the batch (``self.batch``, in slot order); ``B`` may be
+        larger (padding, up to ``max_reqs``). The layer's hot-row state is
+        updated in place and missing rows are copied into its KV cache.
+        ``step``: an int, or an int64 ``[1]`` device tensor the caller bumps
+        (capturable). Returns ``(phys_rows, counters)`` as
+        ``hisparse.kernels.resolve`` does.
         """
-        if topk.dim() != 3 or topk.shape[0] < len(reqs):
-            raise InvalidArgument("topk must be int32 [B, Q, K] with a row per request")
-        num_real, resident, host, hot_rows = self.tables(reqs, topk.shape[0])
-        B, H = topk.shape[0], self.num_hot_rows
-        tags = torch.full((B, H), -1, dtype=torch.int32, device=self.device)
-        stamps = torch.zeros((B, H), dtype=torch.int64, device=self.device)
-        for i, req in enumerate(reqs):
-            tags[i] = req.hot_tags[layer]
-            stamps[i] = req.hot_stamp[layer]
-        phys, counters = self.resolver(
-            topk=topk.to(device=self.device, dtype=torch.int32), num_real_reqs=num_real,
-            resident_blocks=resident, host_pages=host, host_rows=self._host_rows[layer],
-            block_tokens=self.layout.block_tokens, hot_rows=hot_rows, hot_tags=tags,
-            hot_stamp=stamps, step=torch.tensor([step], dtype=torch.int64, device=self.device),
-            kv_rows=self.kv_caches[layer])
-        for i, req in enumerate(reqs):
-            req.hot_tags[layer].copy_(tags[i])
-            req.hot_stamp[layer].copy_(stamps[i])
-        return phys, counters
+        if list(reqs) != self.batch:
+            raise InvalidArgument("resolve takes the session's batch, in slot order (session.batch)")
+        B = topk.shape[0] if topk.dim() == 3 else -1
+        if not len(self.batch) <= B <= self.max_reqs:
+            raise InvalidArgument(f"topk must be int32 [B, Q, K] with {len(self.batch)} <= B <= "
+                                  f"{self.max_reqs}, not {tuple(topk.shape)}")
+        if not isinstance(step, torch.Tensor):
+            step = torch.tensor([step], dtype=torch.int64, device=self.device)
+        kwargs: dict[str, Any] = {"out": out} if out is not None else {}
+        # Views of the first B slots: contiguous rows, so the kernel's in-place
+        # updates land in the session's own state.
+        return self.resolver(
+            topk=topk, num_real_reqs=self.num_real_reqs, resident_blocks=self.resident_blocks[:B],
+            host_pages=self.host_pages[:B], host_rows=self._host_rows[layer],
+            block_tokens=self.layout.block_tokens, hot_rows=self.hot_rows[:B],
+            hot_tags=self.hot_tags[layer, :B], hot_stamp=self.hot_stamp[layer, :B], step=step,
+            kv_rows=self.kv_caches[layer], **kwargs)
 
 
 def _default_resolver(device: torch.device) -> Resolver:

@@ -122,3 +122,44 @@ def test_triton_resolver_agrees_through_the_session(engine):
     phys, counters = session.resolve([req], 1, topk, 1)
     assert counters[0].tolist() == [1, 0, 3, 0]  # 22 is in the resident tail block
     check_rows(kv, 1, topk, phys)
+
+
+def test_ending_a_request_compacts_the_slots_and_keeps_state(engine):
+    c, kv, alloc = engine
+    session = SparseSession(c, kv, alloc, hot_rows=8, active_tail_blocks=1, max_blocks=8, max_reqs=4)
+    r0, r1 = prefill(session, kv, alloc, "a", 4), prefill(session, kv, alloc, "b", 4)
+    for req in (r0, r1):
+        session.spill(req)
+    topk = torch.tensor([[[0, 5, 14]], [[1, 6, 15]], [[-1, -1, -1]]], dtype=torch.int32)  # one pad row
+    phys, counters = session.resolve(session.batch, 0, topk, 1)
+    assert counters[:2, 2].tolist() == [2, 2] and counters[2].tolist() == [0, 0, 0, 0]
+    check_rows(kv, 0, topk, phys)
+    session.release(r0)
+    assert session.batch == [r1] and r1.slot == 0 and int(session.num_real_reqs) == 1
+    # r1 moved to slot 0 with its hot rows: what was missing before is hot now
+    phys, counters = session.resolve(session.batch, 0, topk[1:2], 2)
+    assert counters[0].tolist() == [1, 2, 0, 0]
+    check_rows(kv, 0, topk[1:2], phys)
+    assert (session.resident_blocks[1] == -1).all() and (session.hot_tags[:, 1] == -1).all()
+
+
+def test_a_step_reads_and_writes_only_persistent_tensors(engine):
+    from hisparse import kernels
+
+    c, kv, alloc = engine
+    session = SparseSession(c, kv, alloc, hot_rows=8, active_tail_blocks=1, max_blocks=8, max_reqs=2,
+                            resolver=kernels.resolve)
+    req = prefill(session, kv, alloc, "g", 5)
+    session.spill(req)
+    topk = torch.tensor([[[0, 9, 17]], [[-1, -1, -1]]], dtype=torch.int32)
+    step = torch.ones(1, dtype=torch.int64)
+    out = (torch.empty((2, 1, 3), dtype=torch.int32), torch.empty((2, 4), dtype=torch.int32))
+    tags_before = session.hot_tags[2].data_ptr()
+    for expect in ([1, 0, 2, 0], [1, 2, 0, 0]):
+        phys, counters = session.resolve(session.batch, 2, topk, step, out=out)
+        assert phys.data_ptr() == out[0].data_ptr() and counters.data_ptr() == out[1].data_ptr()
+        assert counters[0].tolist() == expect
+        check_rows(kv, 2, topk, phys)
+        step += 1  # in place, as a captured graph's caller would
+    assert session.hot_tags[2].data_ptr() == tags_before
+    assert int((session.hot_tags[2, 0] >= 0).sum()) == 2
