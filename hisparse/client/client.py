@@ -47,7 +47,7 @@ BUSY_POLL_MAX_S = 0.05
 
 
 @dataclass(frozen=True, eq=False)
-class _Session:
+class ClientSession:
     """One daemon session and the region it was told about; replaced whole on re-hello."""
 
     id: int
@@ -110,14 +110,14 @@ class Client:
 
     # -- sessions --
 
-    def _hello(self) -> _Session:
+    def _hello(self) -> ClientSession:
         body = self._transport.call(Op.HELLO, self.timeout_s, namespace=self.namespace,
                                     layout=self.layout, capacity_bytes=self._capacity_bytes,
                                     client=self._name)
         region, key = acquire_region(body.get("region"), self.layout, populate=self._populate)
-        return _Session(int(body["session"]), region, key, float(body["lease_ttl_s"]))
+        return ClientSession(int(body["session"]), region, key, float(body["lease_ttl_s"]))
 
-    def _rehello(self, lost: _Session) -> _Session:
+    def _rehello(self, lost: ClientSession) -> ClientSession:
         with self._hello_lock:
             if self._closed:
                 raise InvalidArgument("the client is closed")
@@ -131,20 +131,20 @@ class Client:
                      self.namespace, fresh.id)
             return fresh
 
-    def _session_is_live(self, session: _Session) -> bool:
+    def _session_is_live(self, session: ClientSession) -> bool:
         return not self._closed and self._session is session
 
-    def _current(self) -> _Session:
+    def _current(self) -> ClientSession:
         if self._closed:
             raise InvalidArgument("the client is closed")
         return self._session
 
-    def _call_in(self, session: _Session, op: Op, timeout_s: float | None = None,
+    def _call_in(self, session: ClientSession, op: Op, timeout_s: float | None = None,
                  **fields: Any) -> dict[str, Any]:
         """One request on ``session``; ``LeaseExpired`` when the daemon no longer knows it."""
         return self._transport.call(op, timeout_s or self.timeout_s, session=session.id, **fields)
 
-    def _call(self, op: Op, timeout_s: float | None = None, **fields: Any) -> tuple[dict[str, Any], _Session]:
+    def _call(self, op: Op, timeout_s: float | None = None, **fields: Any) -> tuple[dict[str, Any], ClientSession]:
         """One request on the current session, re-attaching once if the session was lost."""
         session = self._current()
         try:
@@ -152,6 +152,32 @@ class Client:
         except LeaseExpired:
             session = self._rehello(session)
             return self._call_in(session, op, timeout_s, **fields), session
+
+    # -- the low-level surface --
+    # For adapters that split a store or a load across steps or processes
+    # (vLLM: the scheduler reserves, a worker copies, a later step commits).
+    # Reservations and pins belong to the session that took them: release
+    # them with ``request_in`` on that same session, which raises
+    # ``LeaseExpired`` if it is gone rather than act on a new one.
+
+    @property
+    def session(self) -> ClientSession:
+        """The current session (replaced whole when the client re-attaches)."""
+        return self._current()
+
+    def session_is_live(self, session: ClientSession) -> bool:
+        """True while ``session`` is this client's current session."""
+        return self._session_is_live(session)
+
+    def request(self, op: Op, timeout_s: float | None = None,
+                **fields: Any) -> tuple[dict[str, Any], ClientSession]:
+        """One request on the current session, re-attaching once if it was lost: (body, session)."""
+        return self._call(op, timeout_s, **fields)
+
+    def request_in(self, session: ClientSession, op: Op, timeout_s: float | None = None,
+                   **fields: Any) -> dict[str, Any]:
+        """One request on ``session`` exactly; ``LeaseExpired`` when the daemon no longer knows it."""
+        return self._call_in(session, op, timeout_s, **fields)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self._session.lease_ttl_s / 3):
@@ -243,7 +269,7 @@ class Client:
             todo = busy
         return written, full
 
-    def _reserve(self, keys: list[bytes]) -> tuple[dict[str, Any], _Session]:
+    def _reserve(self, keys: list[bytes]) -> tuple[dict[str, Any], ClientSession]:
         """reserve; if its reply is lost, abort whatever it may have reserved, at once."""
         session = self._current()
         try:
@@ -260,7 +286,7 @@ class Client:
                             "frees those pages if this client dies", exc)
             raise
 
-    def _write(self, session: _Session, keys: list[bytes], pages: Any,
+    def _write(self, session: ClientSession, keys: list[bytes], pages: Any,
                mine: list[tuple[int, int]], backend: backends.Backend) -> None:
         """Copy reserved pages in and commit them; abort them on any failure before the commit."""
         mine_keys = [keys[i] for i, _ in mine]
@@ -273,7 +299,7 @@ class Client:
         for chunk in _chunks(mine_keys):
             self._call_in(session, Op.COMMIT, keys=chunk)
 
-    def _abort_quietly(self, session: _Session, keys: list[bytes]) -> None:
+    def _abort_quietly(self, session: ClientSession, keys: list[bytes]) -> None:
         try:
             for chunk in _chunks(keys):
                 self._call_in(session, Op.ABORT, keys=chunk)
@@ -321,10 +347,10 @@ class Client:
         session, pinned, page_ids = self._pin_prefix(list(keys))
         return Pin(self, session, pinned, page_ids.tolist())
 
-    def _pin_prefix(self, keys: list[bytes]) -> tuple[_Session, list[bytes], np.ndarray]:
+    def _pin_prefix(self, keys: list[bytes]) -> tuple[ClientSession, list[bytes], np.ndarray]:
         """Pin the committed prefix, all under one session: (session, keys pinned, page ids)."""
         for _ in range(LOST_SESSION_RETRIES + 1):
-            session: _Session | None = None
+            session: ClientSession | None = None
             pages: list[int] = []
             try:
                 for chunk in _chunks(keys):
@@ -341,11 +367,11 @@ class Client:
             return session, keys[:len(pages)], np.asarray(pages, dtype=np.int64)
         raise LeaseExpired("pin: the session was lost repeatedly")
 
-    def _unpin(self, session: _Session, keys: list[bytes]) -> None:
+    def _unpin(self, session: ClientSession, keys: list[bytes]) -> None:
         for chunk in _chunks(keys):
             self._call_in(session, Op.UNPIN, keys=chunk)
 
-    def _unpin_quietly(self, session: _Session, keys: list[bytes]) -> None:
+    def _unpin_quietly(self, session: ClientSession, keys: list[bytes]) -> None:
         try:
             self._unpin(session, keys)
         except HisparseError as exc:

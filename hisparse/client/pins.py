@@ -24,7 +24,7 @@ from hisparse.errors import InvalidArgument, LeaseExpired
 if TYPE_CHECKING:
     import torch
 
-    from hisparse.client.client import Client, _Session
+    from hisparse.client.client import Client, ClientSession
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 class Pin:
     """Pinned pages of a key chain's committed prefix (``len(pin)`` of them)."""
 
-    def __init__(self, client: Client, session: _Session, keys: list[bytes], page_ids: list[int]) -> None:
+    def __init__(self, client: Client, session: ClientSession, keys: list[bytes], page_ids: list[int]) -> None:
         self._client = client
         self._session = session
         self.keys = keys

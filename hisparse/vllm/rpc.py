@@ -4,8 +4,8 @@
 copy -> unpin) inside one call. vLLM splits each of them across processes
 and steps: the scheduler reserves and the worker copies, and the commit
 comes steps later, so the adapter needs the steps one by one. Every call
-here goes through the client's own request path (``Client._call`` /
-``Client._call_in``: its transport, timeout, and re-attach when the daemon
+here goes through the client's own request path (``Client.request`` /
+``Client.request_in``: its transport, timeout, and re-attach when the daemon
 forgot the session), so there is one RPC stack.
 
 Reservations and pins belong to the session that took them. Each call that
@@ -25,12 +25,12 @@ from hisparse.protocol import MAX_KEYS_PER_REQUEST, Op
 
 if TYPE_CHECKING:
     from hisparse.client import Client
-    from hisparse.client.client import _Session
+    from hisparse.client.client import ClientSession
     from hisparse.shm.region import RegionMap
 
 log = logging.getLogger(__name__)
 
-Session = Any  # hisparse.client.client._Session: an opaque handle here
+Session = Any  # hisparse.client.client.ClientSession: an opaque handle here
 
 
 class NamespaceOps:
@@ -38,7 +38,7 @@ class NamespaceOps:
 
     def __init__(self, client: Client) -> None:
         self.client = client
-        self._events_session: _Session | None = None
+        self._events_session: ClientSession | None = None
 
     # -- writes: reserve, then commit or abort on the same session --
 
@@ -48,9 +48,9 @@ class NamespaceOps:
         session = None
         for chunk in _chunks(keys):
             if session is None:
-                body, session = self.client._call(Op.RESERVE, keys=chunk)
+                body, session = self.client.request(Op.RESERVE, keys=chunk)
             else:
-                body = self.client._call_in(session, Op.RESERVE, keys=chunk)
+                body = self.client.request_in(session, Op.RESERVE, keys=chunk)
             got = [int(s) for s in body["slots"]]
             slots.extend(got)
             if len(got) < len(chunk):
@@ -59,11 +59,11 @@ class NamespaceOps:
 
     def commit(self, session: Session, keys: list[bytes]) -> None:
         for chunk in _chunks(keys):
-            self.client._call_in(session, Op.COMMIT, keys=chunk)
+            self.client.request_in(session, Op.COMMIT, keys=chunk)
 
     def abort(self, session: Session, keys: list[bytes]) -> None:
         for chunk in _chunks(keys):
-            self.client._call_in(session, Op.ABORT, keys=chunk)
+            self.client.request_in(session, Op.ABORT, keys=chunk)
 
     # -- reads: pin, then unpin on the same session --
 
@@ -81,9 +81,9 @@ class NamespaceOps:
         while start < len(keys):
             chunk = keys[start:start + MAX_KEYS_PER_REQUEST]
             if session is None:
-                body, session = self.client._call(Op.PIN, keys=chunk)
+                body, session = self.client.request(Op.PIN, keys=chunk)
             else:
-                body = self.client._call_in(session, Op.PIN, keys=chunk)
+                body = self.client.request_in(session, Op.PIN, keys=chunk)
             got = [int(p) for p in body["pages"]]
             pages.extend(got)
             start += len(got)
@@ -94,12 +94,12 @@ class NamespaceOps:
 
     def unpin(self, session: Session, keys: list[bytes]) -> None:
         for chunk in _chunks(keys):
-            self.client._call_in(session, Op.UNPIN, keys=chunk)
+            self.client.request_in(session, Op.UNPIN, keys=chunk)
 
     # -- the mirror's reads --
 
     def events(self, after: int, limit: int) -> dict[str, Any]:
-        body, session = self.client._call(Op.EVENTS, after=after, limit=limit)
+        body, session = self.client.request(Op.EVENTS, after=after, limit=limit)
         if self._events_session is not None and session is not self._events_session:
             # A new session may mean a new daemon whose sequence numbers restarted
             # and could overlap ours: treat the stream as broken.
@@ -109,7 +109,7 @@ class NamespaceOps:
         return body
 
     def keys_page(self, cursor: int, limit: int) -> dict[str, Any]:
-        body, session = self.client._call(Op.KEYS, cursor=cursor, limit=limit)
+        body, session = self.client.request(Op.KEYS, cursor=cursor, limit=limit)
         self._events_session = session
         return body
 
@@ -120,20 +120,20 @@ class NamespaceOps:
         token = _read_admin_token(self.client.socket_path)
         if token is None:
             return None
-        body, _ = self.client._call(Op.CLEAR, token=token, namespace=self.client.namespace)
+        body, _ = self.client.request(Op.CLEAR, token=token, namespace=self.client.namespace)
         return int(body["freed_pages"]) + int(body["doomed_pages"])
 
     # -- the region --
 
     def region(self) -> RegionMap:
         """The current session's mapping of the region (replaced if the daemon re-created it)."""
-        return self.client._current().region
+        return self.client.session.region
 
     def session(self) -> Session:
-        return self.client._current()
+        return self.client.session
 
     def session_is_live(self, session: Session) -> bool:
-        return self.client._session_is_live(session)
+        return self.client.session_is_live(session)
 
 
 def _chunks(keys: list[bytes]) -> list[list[bytes]]:

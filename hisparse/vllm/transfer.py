@@ -225,9 +225,9 @@ def _batched_copy() -> Any:
 
 
 def _memcpy_async_each(src: Any, dst: Any, sizes: Any, *, stream: Any, is_src_access_order_any: bool) -> None:
-    from hisparse.client.backends.cuda import _driver, check
+    from hisparse.client.backends.cuda import driver, check
 
-    cu = _driver()
+    cu = driver()
     handle = cu.CUstream(stream.cuda_stream)
     for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
         check(cu.cuMemcpyAsync(d, s, n, handle), "cuMemcpyAsync")

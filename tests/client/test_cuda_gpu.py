@@ -107,7 +107,7 @@ def test_cpu_engine_stores_gpu_engine_loads(hisparsed):
 def test_a_failed_registration_raises():
     # an address range that is not mapped cannot be pinned: an error, never a fall-back
     cuda_backend.init_driver(torch.cuda.current_device())
-    cu = cuda_backend._driver()
+    cu = cuda_backend.driver()
     with pytest.raises(cuda_backend.CudaError):
         cuda_backend.check(cu.cuMemHostRegister(4096, 4096, cu.CU_MEMHOSTREGISTER_DEVICEMAP),
                            "cuMemHostRegister")

@@ -52,7 +52,7 @@ class CudaError(HisparseError):
         self.name = name
 
 
-def _driver() -> Any:
+def driver() -> Any:
     try:
         from cuda.bindings import driver
     except ImportError as exc:
@@ -62,7 +62,7 @@ def _driver() -> Any:
 
 def describe(status: Any) -> tuple[str, str]:
     """(name, description) of a CUresult; works without a loadable driver."""
-    cu = _driver()
+    cu = driver()
     try:
         err, name = cu.cuGetErrorName(status)
         err2, text = cu.cuGetErrorString(status)
@@ -107,7 +107,7 @@ def register_chunks(address: int, size_bytes: int,
 
 def init_driver(device_index: int) -> None:
     """``cuInit`` and a current context on this thread (torch's primary context)."""
-    cu = _driver()
+    cu = driver()
     try:
         status = cu.cuInit(0)
     except HisparseError:
@@ -145,7 +145,7 @@ def register(region: RegionMap, device_index: int = 0) -> Registration:
         if held is not None:
             return held[0]
         init_driver(device_index)
-        cu = _driver()
+        cu = driver()
         flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
         chunks = register_chunks(address, size)
         started = time.monotonic()
@@ -176,7 +176,7 @@ def register(region: RegionMap, device_index: int = 0) -> Registration:
 
 def _unregister_quietly(addresses: list[int]) -> None:
     """Undo a partial registration; the error that caused it is the one worth raising."""
-    cu = _driver()
+    cu = driver()
     for chunk_address in addresses:
         try:
             check(cu.cuMemHostUnregister(chunk_address), "cuMemHostUnregister")
