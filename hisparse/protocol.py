@@ -76,7 +76,8 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
     Op.PING: {"version": "str", "protocol": "int", "uptime_s": "float", "pid": "int"},
     Op.LOOKUP: {"count": "int: leading keys that are committed"},
     Op.RESERVE: {"slots": "list[int], one per key processed in order: a page id to write, "
-                          "SLOT_COMMITTED or SLOT_BUSY; shorter than keys when the region is full"},
+                          "SLOT_COMMITTED or SLOT_BUSY; shorter than keys when the region is full",
+                 "evicted": "list[bytes]: keys evicted (least recently used) to make room"},
     Op.COMMIT: {"committed": "int"},
     Op.ABORT: {"aborted": "int (the request may say missing_ok: true to skip keys not held)"},
     Op.PIN: {"count": "int: leading keys pinned", "pages": "list[int]: their page ids"},

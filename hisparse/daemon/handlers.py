@@ -104,8 +104,8 @@ def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> di
     ns = _ns(session)
     slots, evicted = ns.index.reserve(req.keys, session.reservations)
     if evicted:
-        ctx.evictions_since_log[ns.name] = ctx.evictions_since_log.get(ns.name, 0) + evicted
-    return {"slots": slots}
+        ctx.evictions_since_log[ns.name] = ctx.evictions_since_log.get(ns.name, 0) + len(evicted)
+    return {"slots": slots, "evicted": evicted}
 
 
 def _held(session: Session, keys: tuple[bytes, ...], what: str) -> list[int]:

@@ -173,15 +173,16 @@ class NamespaceIndex:
 
     # -- writes --
 
-    def reserve(self, keys: tuple[bytes, ...], held: dict[bytes, int]) -> tuple[list[int], int]:
-        """Slots for ``keys`` (see protocol.SLOT_*) and how many pages were evicted.
+    def reserve(self, keys: tuple[bytes, ...], held: dict[bytes, int]) -> tuple[list[int], list[bytes]]:
+        """Slots for ``keys`` (see protocol.SLOT_*) and the keys evicted to make room.
 
         ``held`` is the calling session's reservations (key -> page); new
         ones are added to it. A key already WRITING is BUSY for everyone,
         its own session included. Stops at the first key that finds no room.
         """
         slots: list[int] = []
-        evicted = new = 0
+        evicted: list[bytes] = []
+        new = 0
         index, state = self.keys, self.state
         for key in keys:
             page = index.get(key)
@@ -195,9 +196,10 @@ class NamespaceIndex:
                     slots.append(SLOT_BUSY)
                 continue
             if not self.free:
-                if not self._evict_one():
+                victim = self._evict_one()
+                if victim is None:
                     break
-                evicted += 1
+                evicted.append(victim)
             page = self.free.pop()
             self.table.set_writing(page, key, self.table.generation_of(page) + 1)
             state[page] = WRITING
@@ -273,10 +275,11 @@ class NamespaceIndex:
         self.num_committed = 0
         return freed, doomed
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self) -> bytes | None:
+        """Free the least recently used unpinned page; its key, or None when none may go."""
         page = self.lru.pop_victim()
         if page is None:
-            return False
+            return None
         key = self.page_keys[page]
         assert key is not None, f"victim page {page} has no key"
         del self.keys[key]
@@ -287,7 +290,7 @@ class NamespaceIndex:
         self.num_committed -= 1
         self.counters.evicted_pages += 1
         self.events.append(EVENT_EVICT, key, page)
-        return True
+        return key
 
     # -- mirror resync --
 

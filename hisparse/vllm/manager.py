@@ -11,7 +11,7 @@ Per primitive (vLLM's ``OffloadingManager`` contract, daemon ops in brackets):
 - ``complete_load`` [unpin]: releases that load's pins.
 - ``prepare_store`` [reserve]: pages for the keys nobody committed; ``None``
   when nothing can be stored (region full of pinned or writing pages);
-  evicted keys are the mirror's evictions of the pages just handed to us.
+  evicted keys are the ones the daemon's reserve reply names.
 - ``complete_store`` [commit | abort]: publishes, or drops with ``success=False``.
 - ``on_request_finished``: forgets the request; a load still in flight keeps
   its pins until its ``complete_load`` (its worker may still be copying).
@@ -191,7 +191,7 @@ class HiSparseOffloadingManager(OffloadingManager):
         try:
             # Keys already committed go along: the daemon touches them, so making
             # room for the new keys never evicts the older part of this very chain.
-            slots, session = self._ops.reserve(offer)
+            slots, evicted_raw, session = self._ops.reserve(offer)
         except HisparseError as exc:
             self._failed("reserve", exc)
             self._counts["ALLOCATION_FAILURES"] += 1
@@ -209,7 +209,15 @@ class HiSparseOffloadingManager(OffloadingManager):
         if not to_store and len(slots) < len(offer):
             self._counts["ALLOCATION_FAILURES"] += 1
             return None
-        evicted = self._evictions_of(pages) if to_store else []
+        # The reply names what the daemon evicted for us: no events request here
+        # (the mirror learns the same evictions from its stream).
+        evicted = [OffloadKey(k) for k in evicted_raw]
+        self._counts["EVICTED_KEYS"] += len(evicted)
+        gone = [k for k in evicted if k in self._announced]
+        if gone:  # announce removals now, as vLLM's own tiers do; the refresh skips them
+            self._announced.difference_update(gone)
+            if self._events is not None:
+                self._events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True))
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=HiSparseLoadStoreSpec(pages),
                                   evicted_keys=evicted)
 
@@ -373,13 +381,6 @@ class HiSparseOffloadingManager(OffloadingManager):
             else:
                 self._release(op, session, keys)
         return changes
-
-    def _evictions_of(self, pages: list[int]) -> list[OffloadKey]:
-        """Keys whose pages our reserve just took: the daemon evicted them for us."""
-        ours = set(pages)
-        evicted = [OffloadKey(c.key) for c in self._refresh() if c.evicted and c.page in ours]
-        self._counts["EVICTED_KEYS"] += len(evicted)
-        return evicted
 
     def _release(self, op: str, session: Session, keys: list[bytes]) -> None:
         try:

@@ -42,9 +42,11 @@ class NamespaceOps:
 
     # -- writes: reserve, then commit or abort on the same session --
 
-    def reserve(self, keys: list[bytes]) -> tuple[list[int], Session]:
-        """Slots for ``keys`` (page id / SLOT_COMMITTED / SLOT_BUSY); shorter when the region is full."""
+    def reserve(self, keys: list[bytes]) -> tuple[list[int], list[bytes], Session]:
+        """(slots, evicted keys, session): page id / SLOT_COMMITTED / SLOT_BUSY per key,
+        shorter when the region is full; the keys the daemon evicted to make room."""
         slots: list[int] = []
+        evicted: list[bytes] = []
         session = None
         for chunk in _chunks(keys):
             if session is None:
@@ -53,9 +55,10 @@ class NamespaceOps:
                 body = self.client.request_in(session, Op.RESERVE, keys=chunk)
             got = [int(s) for s in body["slots"]]
             slots.extend(got)
+            evicted.extend(body.get("evicted", ()))
             if len(got) < len(chunk):
                 break
-        return slots, session
+        return slots, evicted, session
 
     def commit(self, session: Session, keys: list[bytes]) -> None:
         for chunk in _chunks(keys):

@@ -139,9 +139,10 @@ def test_store_writes_what_fits_and_never_evicts_pinned_or_writing(hisparsed, cl
     a = keys_for("a", 4)
     c.store(a[:2], [page_bytes("a", i) for i in range(2)])
     c.call(Op.PIN, keys=a[:1])
-    slots = c.call(Op.RESERVE, keys=keys_for("b", 6))["slots"]
+    body = c.call(Op.RESERVE, keys=keys_for("b", 6))
     # 2 free pages + 1 evictable (a[1]); a[0] is pinned
-    assert len(slots) == 3 and all(s >= 0 for s in slots)
+    assert len(body["slots"]) == 3 and all(s >= 0 for s in body["slots"])
+    assert body["evicted"] == [a[1]]
     assert c.call(Op.LOOKUP, keys=a[:1]) == {"count": 1}
     assert c.call(Op.RESERVE, keys=keys_for("c", 1))["slots"] == []
 

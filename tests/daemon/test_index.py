@@ -65,13 +65,13 @@ def test_full_region_evicts_lru_and_never_pinned_or_writing(make_index):
     index.lookup((a[1],))  # a[1] most recent; LRU order now a[2], a[3], a[1]
     b = keys_for("b", 2)
     slots, evicted = index.reserve(tuple(b), {})
-    assert evicted == 2 and len(slots) == 2
+    assert evicted == [a[2], a[3]] and len(slots) == 2
     assert index.lookup((a[2],)) == 0 and index.lookup((a[3],)) == 0
     assert index.lookup((a[0],)) == 1 and index.lookup((a[1],)) == 1
     # one evictable page left (a[1]); two WRITING and one pinned are not
     c = keys_for("c", 3)
     slots, evicted = index.reserve(tuple(c), {})
-    assert len(slots) == 1 and evicted == 1, "fewer pages, not an error"
+    assert len(slots) == 1 and evicted == [a[1]], "fewer pages, not an error"
 
 
 def test_unpin_makes_the_page_evictable_as_most_recent(make_index):
@@ -121,7 +121,7 @@ def test_adopt_brings_back_committed_and_frees_writing(tmp_path, make_index):
     assert sorted(index2.free.tolist()) == [3, 4]
     # the adopted pages are evictable and the freed one reusable
     slots, evicted = index2.reserve(tuple(keys_for("b", 3)), {})
-    assert len(slots) == 3 and evicted == 1
+    assert len(slots) == 3 and len(evicted) == 1
 
 
 def test_events_record_commits_and_evictions_once_asked(make_index):
