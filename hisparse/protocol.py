@@ -29,7 +29,7 @@ from typing import Any
 import msgpack
 
 from hisparse import errors
-from hisparse.layout import KVLayout
+from hisparse.layout import KVLayout, parse_size
 
 VERSION = 1
 
@@ -272,6 +272,12 @@ def _hello(op: Op, rid: int, msg: dict[str, Any]) -> HelloRequest:
     namespace = _field(msg, "namespace", (str,), optional=True)
     layout_raw = _field(msg, "layout", (dict,), optional=True)
     capacity = _field(msg, "capacity_bytes", (int,), optional=True)
+    if capacity is None and msg.get("capacity") is not None:
+        # DESIGN.md's attach() says ``capacity`` (bytes or "384GiB"): take it too.
+        try:
+            capacity = parse_size(_field(msg, "capacity", (int, str)))
+        except errors.InvalidArgument as exc:
+            raise WireError(ErrorCode.INVALID_ARGUMENT, f"capacity: {exc}") from None
     client = _field(msg, "client", (str,), optional=True) or ""
     if namespace is not None:
         if not namespace or len(namespace) > MAX_NAMESPACE_CHARS or not namespace.isprintable():

@@ -36,6 +36,9 @@ def test_every_op_round_trips():
                                                             namespace="m"))
     assert (clear.token, clear.namespace) == ("t", "m")
     assert set(protocol.REPLY_FIELDS) == set(Op)
+    alias = protocol.decode_request(pack(v=1, id=1, op="hello", namespace="m", layout=layout.to_wire(),
+                                         capacity="2GiB"))
+    assert alias.capacity_bytes == 2 << 30
 
 
 @pytest.mark.parametrize("frame, code", [
@@ -64,6 +67,9 @@ def test_every_op_round_trips():
                                                          "row_bytes": 1}), ErrorCode.INVALID_ARGUMENT),
     (pack(v=1, id=1, op="hello", namespace="", layout={}), ErrorCode.INVALID_ARGUMENT),
     (pack(v=1, id=1, op="events", session=1, after=0, limit=0), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=1, id=1, op="hello", namespace="m", layout={"num_layers": 1, "block_tokens": 1,
+                                                         "row_bytes": 1}, capacity="lots"),
+     ErrorCode.INVALID_ARGUMENT),
     (pack(v=1, id=1, op="keys", session=1, cursor=-1), ErrorCode.INVALID_ARGUMENT),
 ])
 def test_rejections_have_typed_codes(frame, code):
