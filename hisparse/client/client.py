@@ -240,6 +240,7 @@ class Client:
         busy_deadline = None
         poll_s = BUSY_POLL_MIN_S
         while todo:
+            reserved_at = time.monotonic()  # before sending: the daemon renews the lease later
             body, session = self._reserve([keys[i] for i in todo])
             slots = body["slots"]
             full = full or len(slots) < len(todo)
@@ -247,7 +248,7 @@ class Client:
             busy = [todo[j] for j, s in enumerate(slots) if s == SLOT_BUSY]
             if mine:
                 try:
-                    self._write(session, keys, pages, mine, backend)
+                    self._write(session, keys, pages, mine, backend, reserved_at)
                 except LeaseExpired:
                     lost += 1
                     if lost > LOST_SESSION_RETRIES:
@@ -287,9 +288,15 @@ class Client:
             raise
 
     def _write(self, session: ClientSession, keys: list[bytes], pages: Any,
-               mine: list[tuple[int, int]], backend: backends.Backend) -> None:
+               mine: list[tuple[int, int]], backend: backends.Backend, reserved_at: float) -> None:
         """Copy reserved pages in and commit them; abort them on any failure before the commit."""
         mine_keys = [keys[i] for i, _ in mine]
+        if time.monotonic() - reserved_at > session.lease_ttl_s / 2:
+            # Stalled since the reserve: the lease may have run out and the pages
+            # gone to another writer. Never write into pages that may not be ours.
+            self._abort_quietly(session, mine_keys)
+            raise Timeout(f"store: {len(mine)} reserved pages went unwritten for over half the "
+                          f"lease ({session.lease_ttl_s / 2:.1f}s); aborted, nothing written")
         try:
             backend.scatter(session.region, np.array([p for _, p in mine], dtype=np.int64), pages,
                             np.array([i for i, _ in mine], dtype=np.int64))

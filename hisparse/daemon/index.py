@@ -5,9 +5,12 @@ written to the ``MetaTable`` (shared memory), which is what a restarted
 daemon rebuilds this index from. Session bookkeeping (who holds which
 reservation or pin) lives in ``sessions``; this module only counts pins.
 
-Page states: FREE -> WRITING -> COMMITTED -> FREE, plus DOOMED in memory
-only: a page ``clear`` dropped while pinned, freed at its last unpin (its
-table record is already FREE, so a restart does not bring it back).
+Page states: FREE -> WRITING -> COMMITTED -> FREE, plus two in memory only
+(their table record is already FREE, so a restart frees them): DOOMED, a
+page ``clear`` dropped while pinned, freed at its last unpin; QUARANTINED,
+a page an expired session had reserved, freed a moment later
+(``sessions.QUARANTINE_S``), because that session's process may be stalled
+rather than dead and still be writing.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from hisparse.shm.table import COMMITTED, FREE, WRITING, MetaTable
 log = logging.getLogger(__name__)
 
 DOOMED = 3
+QUARANTINED = 4  # an expired writer's page: not reused until its quarantine ends
 MAX_EVENTS = 1 << 18  # kept per namespace for mirrors; older ones force a resync
 
 
@@ -97,6 +101,10 @@ class NamespaceIndex:
         self.num_committed = 0
         self.num_writing = 0
         self.num_pinned_pages = 0
+        # (page, monotonic time it may be reused): pages an expired session had
+        # reserved. Its process may be alive but stalled and still write into
+        # them, so they wait a moment before anyone else gets them.
+        self.quarantine: list[tuple[int, float]] = []
         self.counters = IndexCounters()
         self.events = EventLog()
 
@@ -221,14 +229,34 @@ class NamespaceIndex:
         self.counters.committed_pages += 1
         self.events.append(EVENT_COMMIT, key, page)
 
-    def abort(self, key: bytes, page: int) -> None:
+    def abort(self, key: bytes, page: int, quarantine_until: float | None = None) -> None:
+        """WRITING -> FREE, never visible; or quarantined until the given monotonic time."""
         self.table.set_state(page, FREE)
-        self.state[page] = FREE
         del self.keys[key]
         self.page_keys[page] = None
-        self.free.append(page)
+        if quarantine_until is None:
+            self.state[page] = FREE
+            self.free.append(page)
+        else:
+            self.state[page] = QUARANTINED
+            self.quarantine.append((page, quarantine_until))
         self.num_writing -= 1
         self.counters.aborted_pages += 1
+
+    def end_quarantine(self, now: float) -> int:
+        """Free the quarantined pages whose time has come; how many."""
+        if not self.quarantine:
+            return 0
+        keep = []
+        for page, until in self.quarantine:
+            if until <= now:
+                self.state[page] = FREE
+                self.free.append(page)
+            else:
+                keep.append((page, until))
+        freed = len(self.quarantine) - len(keep)
+        self.quarantine = keep
+        return freed
 
     def pin(self, keys: tuple[bytes, ...]) -> list[int]:
         """Pin the committed prefix; returns its pages (the caller records the holds)."""
@@ -314,6 +342,7 @@ class NamespaceIndex:
             "writing_pages": self.num_writing,
             "pinned_pages": self.num_pinned_pages,
             "free_pages": len(self.free),
+            "quarantined_pages": len(self.quarantine),
             "lookups": c.lookups,
             "lookup_keys": c.lookup_keys,
             "hit_keys": c.hit_keys,

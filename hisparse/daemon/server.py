@@ -21,6 +21,7 @@ import zmq
 from hisparse import protocol
 from hisparse.daemon import notify
 from hisparse.daemon.handlers import HANDLERS, DaemonContext
+from hisparse.daemon.sessions import QUARANTINE_S
 from hisparse.protocol import ErrorCode, Op, WireError
 
 log = logging.getLogger(__name__)
@@ -187,9 +188,13 @@ class Server:
             await asyncio.sleep(min(REAP_INTERVAL_S, self.ctx.sessions.lease_ttl_s / 4))
             try:
                 for session, aborted, released in self.ctx.sessions.expire():
-                    log.warning("lease expired: %s silent for %.1fs; aborted %d reservations, "
-                                "released %d pins", session.describe(),
-                                self.ctx.sessions.lease_ttl_s, aborted, released)
+                    log.warning("lease expired: %s silent for %.1fs; aborted %d reservations "
+                                "(their pages wait %.1fs before reuse), released %d pins",
+                                session.describe(), self.ctx.sessions.lease_ttl_s, aborted,
+                                QUARANTINE_S, released)
+                now = self.ctx.sessions.now()
+                for ns in self.ctx.registry.namespaces.values():
+                    ns.index.end_quarantine(now)
             except Exception:
                 log.error("error in the lease reaper; serving on", exc_info=True)
 

@@ -20,6 +20,13 @@ from hisparse.daemon.namespaces import Namespace
 
 log = logging.getLogger(__name__)
 
+# How long an expired session's reserved pages wait before reuse. Its process
+# may be stalled, not dead; the client never starts a copy into a reservation
+# older than half the lease, so a stale write needs a stall of half a lease plus
+# this in mid-copy. Short enough that a dead client's pages are free again well
+# within lease_ttl + 1 s (the reaper runs every 0.2 s at most).
+QUARANTINE_S = 0.4
+
 
 @dataclass
 class Session:
@@ -35,14 +42,18 @@ class Session:
         ns = self.namespace.name if self.namespace else "(admin)"
         return f"session {self.id:#x} [{self.client or 'anonymous'}] on {ns}"
 
-    def release_all(self) -> tuple[int, int]:
-        """Abort every reservation and drop every pin: (aborted pages, pins released)."""
+    def release_all(self, quarantine_until: float | None = None) -> tuple[int, int]:
+        """Abort every reservation and drop every pin: (aborted pages, pins released).
+
+        ``quarantine_until``: the reserved pages wait until then before reuse
+        (an expired session's process may still be writing into them).
+        """
         if self.namespace is None:
             return 0, 0
         index = self.namespace.index
         aborted = len(self.reservations)
         for key, page in self.reservations.items():
-            index.abort(key, page)
+            index.abort(key, page, quarantine_until)
         self.reservations.clear()
         released = 0
         for page, count in self.pins.values():
@@ -76,19 +87,23 @@ class SessionTable:
             session.last_seen_s = self._clock()
         return session
 
-    def close(self, session: Session) -> tuple[int, int]:
+    def close(self, session: Session, quarantine_until: float | None = None) -> tuple[int, int]:
         self.sessions.pop(session.id, None)
-        return session.release_all()
+        return session.release_all(quarantine_until)
 
     def expire(self) -> list[tuple[Session, int, int]]:
         """Expire every session silent for the lease ttl: [(session, aborted, released)]."""
-        deadline = self._clock() - self.lease_ttl_s
+        now = self._clock()
+        deadline = now - self.lease_ttl_s
         out = []
         for session in [s for s in self.sessions.values() if s.last_seen_s < deadline]:
-            aborted, released = self.close(session)
+            aborted, released = self.close(session, quarantine_until=now + QUARANTINE_S)
             self.expired_total += 1
             out.append((session, aborted, released))
         return out
+
+    def now(self) -> float:
+        return self._clock()
 
     def count_for(self, namespace: Namespace) -> int:
         return sum(1 for s in self.sessions.values() if s.namespace is namespace)

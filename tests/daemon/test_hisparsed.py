@@ -185,6 +185,10 @@ def test_sigkilled_client_releases_within_lease(daemon_factory, clients):
         k = keys_for("dead", 6)
         assert observer.call(Op.LOOKUP, keys=k) == {"count": 3}, "committed pages stay"
         assert observer.store(k[3:], [bytes([9]) * 192] * 3) == 3, "the aborted keys can be stored again"
+        # and every page the dead client held is reusable within lease_ttl + 1 s
+        while observer.call(Op.STATS)["namespaces"]["ns"]["quarantined_pages"]:
+            assert time.monotonic() - killed_at < 1.0 + 1.0, "quarantine outlasted lease_ttl + 1 s"
+            time.sleep(0.05)
         assert "lease expired" in d.log()
     finally:
         if proc.poll() is None:
@@ -346,3 +350,23 @@ def test_abort_missing_ok_releases_what_a_lost_reserve_took(hisparsed, clients):
     ns = c.call(Op.STATS)["namespaces"]["ns"]
     assert ns["writing_pages"] == 0 and ns["free_pages"] == ns["num_pages"]
     assert c.request(Op.ABORT, keys=k, missing_ok="yes").error_code == ErrorCode.PROTOCOL_ERROR.value
+
+
+def test_an_expired_writers_pages_wait_a_moment_before_reuse(daemon_factory, clients):
+    d = daemon_factory(lease_ttl=1.0)
+    stalled = clients(d, capacity_bytes=192 * 2)
+    slots = stalled.call(Op.RESERVE, keys=keys_for("stalled", 2))["slots"]
+    assert len(slots) == 2  # the region is now full of this writer's reservations
+    # the writer stalls (no heartbeat); another keeps its own lease alive meanwhile
+    other = clients(d)
+    deadline = time.monotonic() + 5
+    while other.call(Op.STATS)["namespaces"]["ns"]["quarantined_pages"] != 2:
+        assert time.monotonic() < deadline, "the stalled session never expired"
+        time.sleep(0.05)
+    # expired, but its pages are not handed out while its process might still write
+    assert other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"] == []
+    while len(other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"]) < 2:
+        assert time.monotonic() < deadline + 3, "quarantine never ended"
+        time.sleep(0.05)
+    ns = other.call(Op.STATS)["namespaces"]["ns"]
+    assert ns["quarantined_pages"] == 0 and ns["writing_pages"] == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hisparse import KVLayout
 from hisparse.daemon.index import NamespaceIndex
 from hisparse.daemon.namespaces import Namespace
-from hisparse.daemon.sessions import SessionTable
+from hisparse.daemon.sessions import QUARANTINE_S, SessionTable
 from hisparse.shm.region import RegionGeometry
 from hisparse.shm.table import MetaTable, TableHeader
 from tests.rawclient import keys_for
@@ -44,7 +44,20 @@ def test_expiry_aborts_reservations_and_releases_pins(tmp_path):
     assert [(s.id, a, r) for s, a, r in expired] == [(writer.id, 2, 1)]
     assert table.get(writer.id) is None and table.get(other.id) is other
     assert ns.index.lookup(tuple(k)) == 1 and ns.index.num_pinned_pages == 0
-    assert len(ns.index.free) == 3 and ns.index.num_writing == 0
+    assert ns.index.num_writing == 0
+    # the expired writer's two pages wait a moment before reuse
+    assert len(ns.index.free) == 1 and len(ns.index.quarantine) == 2
+    assert ns.index.end_quarantine(clock.now + QUARANTINE_S - 0.01) == 0
+    assert ns.index.end_quarantine(clock.now + QUARANTINE_S) == 2 and len(ns.index.free) == 3
+
+
+def test_an_explicit_close_frees_at_once(tmp_path):
+    table = SessionTable(lease_ttl_s=2.0, clock=Clock())
+    ns = make_namespace(tmp_path)
+    s = table.open(ns, "w")
+    ns.index.reserve(tuple(keys_for("b", 2)), s.reservations)
+    table.close(s)
+    assert len(ns.index.free) == 4 and not ns.index.quarantine
 
 
 def test_session_ids_are_random_and_distinct(tmp_path):
