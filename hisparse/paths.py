@@ -26,6 +26,16 @@ def embedded_socket_path() -> str:
     return os.path.join(tempfile.gettempdir(), f"hisparsed-{os.getuid()}", SOCKET_NAME)
 
 
+def daemon_default_socket_path() -> str:
+    """The socket of a daemon that neither its flags, env nor config file place.
+
+    ``$HISPARSE_SOCKET`` when set, so that one exported variable puts the
+    daemon, ``hisparsectl`` and every client on the same socket; else the
+    embedded default.
+    """
+    return os.environ.get(SOCKET_ENV) or embedded_socket_path()
+
+
 def default_socket_path() -> str:
     """The socket a client uses when given none.
 

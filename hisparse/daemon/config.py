@@ -1,5 +1,8 @@
 """hisparsed's configuration: embedded defaults < TOML file < HISPARSED_* env < flags.
 
+The embedded socket is ``$HISPARSE_SOCKET`` (the clients' variable) when set,
+else ``$XDG_RUNTIME_DIR/hisparsed/hisparsed.sock`` or ``/tmp/hisparsed-$UID/``.
+
 Every key is validated once, here, with a message that names it; the rest of
 the daemon only sees the frozen ``Config``. ``systemd/hisparsed.toml`` is the
 documented example of every key.
@@ -14,7 +17,7 @@ from typing import Any
 
 from hisparse.errors import HisparseError, InvalidArgument
 from hisparse.layout import format_size, parse_size
-from hisparse.paths import SYSTEM_SOCKET, embedded_socket_path
+from hisparse.paths import SYSTEM_SOCKET, daemon_default_socket_path
 
 MIN_LEASE_TTL_S = 1.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -31,7 +34,7 @@ class NamespaceConfig:
 
 @dataclass(frozen=True)
 class Config:
-    socket: str = field(default_factory=embedded_socket_path)
+    socket: str = field(default_factory=daemon_default_socket_path)
     shm_dir: str = "/dev/shm"
     meta_dir: str | None = None  # None: shm_dir
     capacity_bytes: int = 8 << 30  # all regions together

@@ -10,7 +10,15 @@ from hisparse.daemon.config import ConfigError
 EXAMPLE = "systemd/hisparsed.toml"
 
 
+def test_the_clients_socket_variable_places_an_unconfigured_daemon(monkeypatch, tmp_path):
+    monkeypatch.setenv("HISPARSE_SOCKET", str(tmp_path / "x.sock"))
+    assert config.build(env={}).socket == str(tmp_path / "x.sock")
+    assert config.build(env={"HISPARSED_SOCKET": "/tmp/y.sock"}).socket == "/tmp/y.sock"
+    assert config.build(EXAMPLE, env={}).socket == config.SYSTEM_SOCKET
+
+
 def test_embedded_defaults_need_no_root(monkeypatch, tmp_path):
+    monkeypatch.delenv("HISPARSE_SOCKET", raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     cfg = config.build(env={})
     assert cfg.socket == str(tmp_path / "hisparsed" / "hisparsed.sock")
