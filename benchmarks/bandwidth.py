@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hisparse import KVLayout, client, format_size, parse_size  # noqa: E402
-from hisparse.demo import start_daemon  # noqa: E402
+from hisparse.local import start_daemon  # noqa: E402
 
 TARGET = 0.8
 

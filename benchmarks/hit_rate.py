@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -39,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hisparse  # noqa: E402
 from hisparse import client  # noqa: E402
 from hisparse.client.sparse import BlockAllocator, SparseRequest, SparseSession  # noqa: E402
-from hisparse.errors import DaemonUnavailable  # noqa: E402
 from hisparse.kernels import resolve_reference  # noqa: E402
+from hisparse.local import start_daemon  # noqa: E402
 from hisparse.sim.trace import TopkTrace, TraceParams  # noqa: E402
 
 GLM_ROW_BYTES = 656
@@ -65,29 +62,6 @@ class Bench:
 QUICK = Bench(requests=4, context_tokens=80_000, topk=2048, warmup_steps=60, steps=240, overlaps=(0.90,))
 FULL = Bench(requests=8, context_tokens=80_000, topk=2048, warmup_steps=200, steps=1000,
              overlaps=(0.80, 0.90, 0.97))
-
-
-def start_daemon(workdir: str, capacity: str) -> tuple[subprocess.Popen, str]:
-    """A hisparsed on a socket under ``workdir``; returns once a client can attach."""
-    sock = os.path.join(workdir, "hisparsed.sock")
-    log = open(os.path.join(workdir, "hisparsed.log"), "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "hisparse.daemon.main", "--socket", sock,
-                             "--shm-dir", workdir, "--capacity", capacity],
-                            stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    layout = hisparse.KVLayout(num_layers=1, block_tokens=BLOCK_TOKENS, row_bytes=SIM_ROW_BYTES)
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"hisparsed exited with {proc.returncode}; see {log.name}")
-        if os.path.exists(sock):
-            try:
-                client.attach("bench/probe", layout, socket=sock, capacity="1MiB", timeout_s=1).close()
-                return proc, sock
-            except DaemonUnavailable:
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    raise TimeoutError("hisparsed did not come up in 30 s")
 
 
 def ensure_blocks(session: SparseSession, alloc: BlockAllocator, req: SparseRequest, tokens: int) -> None:
@@ -154,11 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="4 requests, 300 steps, overlap 0.90 only")
     args = ap.parse_args(argv)
     bench = QUICK if args.quick else FULL
-    workdir = tempfile.mkdtemp(prefix="hisparse-bench-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
-    proc, sock = start_daemon(workdir, "1GiB")
     t0 = time.monotonic()
     results: dict[tuple[float, int, str], dict[str, float]] = {}
-    try:
+    with start_daemon("1GiB") as daemon:
+        sock = daemon.socket
         print(f"{bench.requests} requests, top-k {bench.topk} of ~{bench.context_tokens} tokens, "
               f"{bench.steps} steps after {bench.warmup_steps} warm-up; per layer unless said")
         print(f"{'overlap':>7} {'H/K':>3} {'policy':>6} {'hit %':>6} {'miss/req':>8} {'ovf/req':>7} "
@@ -172,10 +145,6 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{overlap:7.2f} {factor:3d} {policy:>6} {100 * r['hit_rate']:6.2f} "
                           f"{r['miss_per_req']:8.1f} {r['overflow_per_req']:7.1f} {r['host_mb_layer']:8.3f} "
                           f"{r['host_mb_layer'] * GLM_LAYERS / 1e3:11.3f}", flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(15)
-        shutil.rmtree(workdir, ignore_errors=True)
     for overlap in bench.overlaps:
         lru, fifo = results[(overlap, 2, "lru")], results[(overlap, 2, "fifo")]
         ratio = lru["host_mb_layer"] / fifo["host_mb_layer"] if fifo["host_mb_layer"] else float("nan")

@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hisparse import KVLayout, client, format_size, parse_size  # noqa: E402
-from hisparse.demo import start_daemon  # noqa: E402
+from hisparse.local import start_daemon  # noqa: E402
 
 TARGET = 3.0
 QUIET = {"GLOG_minloglevel": "2", "MC_LOG_LEVEL": "ERROR"}  # Mooncake logs through glog

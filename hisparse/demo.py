@@ -8,7 +8,6 @@ its whole chain; B looks its chain up, loads the prefix A stored (through
 the shared region, not the socket), checks every byte, and stores only its
 suffix. The table shows lookups, hits, bytes and time per engine.
 
-``start_daemon`` is also what the benchmarks use to run a private daemon.
 """
 
 from __future__ import annotations
@@ -17,75 +16,16 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 
 from hisparse.layout import KVLayout, format_size
+from hisparse.local import env_with_package, start_daemon
 
 NAMESPACE = "demo/glm-5.3/fp8_ds_mla"
-
-
-@dataclass
-class DaemonProcess:
-    socket: str
-    shm_dir: str
-    proc: subprocess.Popen
-    pid: int
-
-
-def _shm_base() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-@contextmanager
-def start_daemon(capacity: str, *, lease_ttl_s: float = 10.0, log_level: str = "WARNING",
-                 timeout_s: float = 30.0) -> Iterator[DaemonProcess]:
-    """A private ``hisparsed`` on a temporary socket and shm dir; stopped and removed on exit."""
-    from hisparse.client.transport import wait_for_daemon
-
-    run_dir = tempfile.mkdtemp(prefix="hisparse-")
-    shm_dir = tempfile.mkdtemp(prefix="hisparse-", dir=_shm_base())
-    socket = os.path.join(run_dir, "hisparsed.sock")
-    log_path = os.path.join(run_dir, "hisparsed.log")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hisparse.daemon.main", "--socket", socket, "--shm-dir", shm_dir,
-             "--capacity", capacity, "--lease-ttl", str(lease_ttl_s), "--log-level", log_level],
-            stdout=log, stderr=subprocess.STDOUT, env=_env_with_package())
-    try:
-        try:
-            pong = wait_for_daemon(socket, timeout_s)
-        except Exception:
-            with open(log_path, errors="replace") as f:
-                sys.stderr.write(f.read())
-            raise
-        yield DaemonProcess(socket, shm_dir, proc, int(pong["pid"]))
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        shutil.rmtree(shm_dir, ignore_errors=True)
-
-
-def _env_with_package() -> dict[str, str]:
-    """The environment for child processes, able to import this very hisparse."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
 def chain(seed: str, n: int, prev: bytes = b"") -> list[bytes]:
@@ -153,7 +93,7 @@ def _engine_process(args: argparse.Namespace, name: str, socket: str) -> dict:
            "--layers", str(args.layers), "--block-tokens", str(args.block_tokens),
            "--row-bytes", str(args.row_bytes), "--prefix-pages", str(args.prefix_pages),
            "--suffix-pages", str(args.suffix_pages)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env_with_package())
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env_with_package())
     if done.returncode != 0:
         raise RuntimeError(f"engine {name} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])

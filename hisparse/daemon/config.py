@@ -17,7 +17,7 @@ from typing import Any
 
 from hisparse.errors import HisparseError, InvalidArgument
 from hisparse.layout import format_size, parse_size
-from hisparse.paths import SYSTEM_SOCKET, daemon_default_socket_path
+from hisparse.paths import SYSTEM_SOCKET, daemon_default_socket_path  # noqa: F401 (SYSTEM_SOCKET re-exported)
 
 MIN_LEASE_TTL_S = 1.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -163,7 +163,7 @@ def print_published(sc: Scenario, out: dict[str, Any]) -> None:
     for c, b, h in zip(out["concurrency"], out["baseline"], out["hisparse"]):
         print(f"{c:>4} {b['mean_running']:>9.2f} {h['mean_running']:>9.2f} {b['turns_per_min']:>15.1f}"
               f" {h['turns_per_min']:>13.1f} {h['mean_step_s'] * 1e3:>11.1f}")
-    print(f"published at c=32: baseline 5-6, hisparse 19-25")
+    print("published at c=32: baseline 5-6, hisparse 19-25")
 
 
 def run_shared_pool(sc: Scenario) -> dict[str, Any]:

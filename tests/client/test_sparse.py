@@ -16,7 +16,6 @@ import torch
 import hisparse
 from hisparse import client
 from hisparse.client.sparse import BlockAllocator, SparseSession
-from hisparse.kernels import resolve_reference
 
 LAYOUT = hisparse.KVLayout(num_layers=3, block_tokens=4, row_bytes=16)
 NUM_ENGINE_BLOCKS = 64

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import stat
 
-import numpy as np
 import pytest
 
 from hisparse import CapacityError, InvalidArgument, KVLayout
