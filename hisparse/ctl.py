@@ -12,41 +12,36 @@ import os
 import sys
 from typing import Any
 
-import zmq
-
 from hisparse import protocol
+from hisparse.client.transport import Transport
 from hisparse.errors import DaemonUnavailable, HisparseError
 from hisparse.layout import format_size
 from hisparse.paths import default_socket_path
 
 
 class Control:
-    """A one-shot admin connection: hello without a namespace, then requests."""
+    """A one-shot admin connection: hello without a namespace, then requests.
+
+    Requests go through the client's ``Transport`` (timeouts, stale replies
+    dropped); this class only adds the admin session.
+    """
 
     def __init__(self, socket_path: str, timeout_s: float = 5.0) -> None:
         self.socket_path = socket_path
-        self.timeout_ms = int(timeout_s * 1000)
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect("ipc://" + os.path.abspath(socket_path))
-        self._next_id = 1
+        self.timeout_s = timeout_s
+        self._transport = Transport(os.path.abspath(socket_path))
         self.session: int | None = None
 
     def call(self, op: protocol.Op, **fields: Any) -> dict[str, Any]:
-        rid = self._next_id
-        self._next_id += 1
         if op not in protocol.SESSIONLESS_OPS:
             if self.session is None:
                 self.session = self.call(protocol.Op.HELLO, client=f"hisparsectl pid {os.getpid()}")["session"]
             fields["session"] = self.session
-        self._sock.send(protocol.encode_request(op, rid, **fields))
-        while True:
-            if not self._sock.poll(self.timeout_ms):
-                raise DaemonUnavailable(f"no answer from hisparsed on {self.socket_path} "
-                                        f"within {self.timeout_ms / 1000:.1f}s")
-            reply = protocol.decode_reply(self._sock.recv())
-            if reply.id == rid:
-                return reply.result()
+        try:
+            return self._transport.call(op, self.timeout_s, **fields)
+        except DaemonUnavailable:
+            raise DaemonUnavailable(f"no answer from hisparsed on {self.socket_path} "
+                                    f"within {self.timeout_s:.1f}s") from None
 
     def close(self) -> None:
         if self.session is not None:
@@ -54,7 +49,7 @@ class Control:
                 self.call(protocol.Op.BYE)
             except HisparseError:
                 pass
-        self._sock.close(linger=0)
+        self._transport.close()
 
 
 def read_token(socket_path: str, token_file: str | None) -> str:

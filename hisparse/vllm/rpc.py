@@ -49,10 +49,7 @@ class NamespaceOps:
         evicted: list[bytes] = []
         session = None
         for chunk in _chunks(keys):
-            if session is None:
-                body, session = self.client.request(Op.RESERVE, keys=chunk)
-            else:
-                body = self.client.request_in(session, Op.RESERVE, keys=chunk)
+            body, session = self._call(session, Op.RESERVE, keys=chunk)
             got = [int(s) for s in body["slots"]]
             slots.extend(got)
             evicted.extend(body.get("evicted", ()))
@@ -61,12 +58,10 @@ class NamespaceOps:
         return slots, evicted, session
 
     def commit(self, session: Session, keys: list[bytes]) -> None:
-        for chunk in _chunks(keys):
-            self.client.request_in(session, Op.COMMIT, keys=chunk)
+        self._release(session, Op.COMMIT, keys)
 
     def abort(self, session: Session, keys: list[bytes]) -> None:
-        for chunk in _chunks(keys):
-            self.client.request_in(session, Op.ABORT, keys=chunk)
+        self._release(session, Op.ABORT, keys)
 
     # -- reads: pin, then unpin on the same session --
 
@@ -83,10 +78,7 @@ class NamespaceOps:
         start = 0
         while start < len(keys):
             chunk = keys[start:start + MAX_KEYS_PER_REQUEST]
-            if session is None:
-                body, session = self.client.request(Op.PIN, keys=chunk)
-            else:
-                body = self.client.request_in(session, Op.PIN, keys=chunk)
+            body, session = self._call(session, Op.PIN, keys=chunk)
             got = [int(p) for p in body["pages"]]
             pages.extend(got)
             start += len(got)
@@ -96,8 +88,19 @@ class NamespaceOps:
         return pages, session
 
     def unpin(self, session: Session, keys: list[bytes]) -> None:
+        self._release(session, Op.UNPIN, keys)
+
+    # -- one request: the first of a sequence takes the current session, the rest keep it --
+
+    def _call(self, session: Session | None, op: Op, **fields: Any) -> tuple[dict[str, Any], Session]:
+        if session is None:
+            return self.client.request(op, **fields)
+        return self.client.request_in(session, op, **fields), session
+
+    def _release(self, session: Session, op: Op, keys: list[bytes]) -> None:
+        """commit, abort or unpin on the session that holds the keys, chunked."""
         for chunk in _chunks(keys):
-            self.client.request_in(session, Op.UNPIN, keys=chunk)
+            self.client.request_in(session, op, keys=chunk)
 
     # -- the mirror's reads --
 
