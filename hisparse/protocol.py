@@ -83,7 +83,9 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
     Op.PIN: {"count": "int: leading keys pinned", "pages": "list[int]: their page ids"},
     Op.UNPIN: {"unpinned": "int"},
     Op.HEARTBEAT: {"lease_ttl_s": "float"},
-    Op.STATS: {"daemon": "map of daemon counters", "namespaces": "map name -> map of counters"},
+    Op.STATS: {"daemon": "map of daemon counters", "namespaces": "map name -> map of counters",
+               "sessions": "list of maps: id (8 hex digits), client, namespace, age_s, silent_s, "
+                           "reservations, pins"},
     Op.EVENTS: {"seq": "int: sequence number of the last event returned (or now)",
                 "events": "list of [kind, key, page]: EVENT_COMMIT / EVENT_EVICT",
                 "reset": "bool: events after `after` are gone; resync with `keys`"},

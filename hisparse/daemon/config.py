@@ -21,6 +21,7 @@ from hisparse.paths import SYSTEM_SOCKET, daemon_default_socket_path  # noqa: F4
 
 MIN_LEASE_TTL_S = 1.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+METRICS_SOCKET_NAME = "hisparsed.metrics.sock"
 
 
 class ConfigError(HisparseError):
@@ -43,6 +44,7 @@ class Config:
     lease_ttl_s: float = 10.0
     log_level: str = "INFO"
     admin_token_file: str | None = None  # None: hisparsed.token beside the socket
+    metrics_address: str | None = None  # None: hisparsed.metrics.sock beside the socket; "": off
     fresh: bool = False  # flag only: drop every region and table left by an earlier run
     config_file: str | None = None
 
@@ -54,6 +56,13 @@ class Config:
     def token_path(self) -> str:
         return self.admin_token_file or os.path.join(os.path.dirname(self.socket), "hisparsed.token")
 
+    @property
+    def metrics_endpoint(self) -> str:
+        """Where the Prometheus endpoint listens: a unix socket path, HOST:PORT, or "" (off)."""
+        if self.metrics_address is None:
+            return os.path.join(os.path.dirname(self.socket), METRICS_SOCKET_NAME)
+        return self.metrics_address
+
     def summary(self) -> str:
         """One line for the start-up log: the config in force."""
         ns = ", ".join(f"{n}={format_size(c.capacity_bytes)}" for n, c in self.namespaces.items())
@@ -61,6 +70,7 @@ class Config:
                 f"capacity={format_size(self.capacity_bytes)} "
                 f"default_namespace_capacity={format_size(self.default_namespace_capacity_bytes)} "
                 f"lease_ttl={self.lease_ttl_s}s log_level={self.log_level} fresh={self.fresh} "
+                f"metrics={self.metrics_endpoint or 'off'} "
                 f"namespaces=[{ns}] config={self.config_file or '(embedded defaults)'}")
 
 
@@ -98,6 +108,21 @@ def _level(key: str, value: Any) -> str:
     return value.upper()
 
 
+def _metrics_address(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: must be a string (a unix socket path, HOST:PORT, or \"\" for off), "
+                          f"not {value!r}")
+    if value in ("", "off"):
+        return ""
+    if value.startswith("/") or value.startswith("~"):
+        return os.path.abspath(os.path.expanduser(value))
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{key}: {value!r} is neither an absolute unix socket path nor HOST:PORT "
+                          "(e.g. 127.0.0.1:9477); \"\" turns metrics off")
+    return value
+
+
 _KEYS: dict[str, tuple[str, Any]] = {
     "socket": ("socket", _path),
     "shm_dir": ("shm_dir", _path),
@@ -107,6 +132,7 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "lease_ttl": ("lease_ttl_s", _ttl),
     "log_level": ("log_level", _level),
     "admin_token_file": ("admin_token_file", _path),
+    "metrics_address": ("metrics_address", _metrics_address),
 }
 RELOADABLE = ("lease_ttl_s", "log_level")
 

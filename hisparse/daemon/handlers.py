@@ -20,6 +20,7 @@ from typing import Any
 import hisparse
 from hisparse.daemon.config import Config
 from hisparse.daemon.namespaces import Registry
+from hisparse.daemon.opstats import OpStats
 from hisparse.daemon.sessions import Session, SessionTable
 from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch
 from hisparse.protocol import (
@@ -49,6 +50,7 @@ class DaemonContext:
     evictions_since_log: dict[str, int] = field(default_factory=dict)
     requests_total: int = 0
     errors_total: int = 0
+    opstats: OpStats = field(default_factory=OpStats)
 
 
 Handler = Callable[[DaemonContext, Any, Any], dict[str, Any]]
@@ -201,11 +203,21 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
         "sessions": len(ctx.sessions.sessions),
         "sessions_expired": ctx.sessions.expired_total,
         "lease_ttl_s": ctx.sessions.lease_ttl_s,
+        "metrics_address": ctx.config.metrics_endpoint,
         "requests": ctx.requests_total, "errors": ctx.errors_total,
         "evicted_pages": sum(ns.index.counters.evicted_pages for ns in ctx.registry.namespaces.values()),
     }
     daemon.update(ctx.registry.stats())
-    return {"daemon": daemon, "namespaces": namespaces}
+    now_s = ctx.sessions.now()
+    sessions = [_session_row(s, now_s) for s in ctx.sessions.sessions.values()]
+    return {"daemon": daemon, "namespaces": namespaces, "sessions": sessions}
+
+
+def _session_row(s: Session, now_s: float) -> dict[str, Any]:
+    return {"id": f"{s.id:016x}"[:8], "client": s.client,
+            "namespace": s.namespace.name if s.namespace else None,
+            "age_s": now_s - s.opened_s, "silent_s": now_s - s.last_seen_s,
+            "reservations": len(s.reservations), "pins": sum(c for _, c in s.pins.values())}
 
 
 def handle_events(ctx: DaemonContext, session: Session, req: EventsRequest) -> dict[str, Any]:

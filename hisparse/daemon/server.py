@@ -28,16 +28,20 @@ log = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 0.2
 EVICTION_LOG_INTERVAL_S = 5.0
+LAG_INTERVAL_S = 0.5
 MAX_BATCH = 256  # messages handled per reader callback before yielding to timers
 
 
 def dispatch(ctx: DaemonContext, frame: bytes) -> bytes:
     """One request frame in, one reply frame out. Never raises."""
+    started_ns = time.perf_counter_ns()
     ctx.requests_total += 1
     rid: int | None = None
+    op = "invalid"  # the frame did not decode to a request
     try:
         req = protocol.decode_request(frame)
         rid = req.id
+        op = req.op.value
         session = None
         if req.op not in protocol.SESSIONLESS_OPS:
             session = ctx.sessions.get(req.session)  # type: ignore[arg-type]
@@ -47,15 +51,20 @@ def dispatch(ctx: DaemonContext, frame: bytes) -> bytes:
                                 "earlier daemon; send hello again")
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s id=%s session=%s", req.op.value, rid, req.session)
-        return protocol.encode_ok(rid, HANDLERS[req.op](ctx, session, req))
+        reply = protocol.encode_ok(rid, HANDLERS[req.op](ctx, session, req))
+        ctx.opstats.observe(op, time.perf_counter_ns() - started_ns)
+        return reply
     except WireError as exc:
         ctx.errors_total += 1
+        ctx.opstats.error(exc.code.value)
+        ctx.opstats.observe(op, time.perf_counter_ns() - started_ns)
         if rid is None:
             rid = protocol.request_id(frame)
         log.debug("refused request id=%s: %s %s", rid, exc.code.value, exc.message)
         return protocol.encode_error(rid, exc.code, exc.message)
     except Exception as exc:
         ctx.errors_total += 1
+        ctx.opstats.error(ErrorCode.INTERNAL.value)
         log.error("internal error handling request id=%s", rid, exc_info=True)
         return protocol.encode_error(rid if rid is not None else protocol.request_id(frame),
                                      ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -103,11 +112,21 @@ class Server:
             for sig, reason in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
                 loop.add_signal_handler(sig, self.stop, reason)
             loop.add_signal_handler(signal.SIGHUP, self._reload)
+        metrics = None
+        if self.ctx.config.metrics_endpoint:
+            from hisparse.daemon.metrics import MetricsServer
+
+            metrics = MetricsServer(self.ctx, self.ctx.config.metrics_endpoint)
         timers = [asyncio.create_task(self._reaper()), asyncio.create_task(self._eviction_log()),
-                  asyncio.create_task(self._ready_then_watchdog(on_ready))]
+                  asyncio.create_task(self._loop_lag())]
         try:
+            if metrics is not None:
+                await metrics.start()  # before READY: a bad address stops the start
+            timers.append(asyncio.create_task(self._ready_then_watchdog(on_ready)))
             await self._stopping.wait()
         finally:
+            if metrics is not None:
+                await metrics.close()
             loop.remove_reader(fd)
             if signals:
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -197,6 +216,14 @@ class Server:
                     ns.index.end_quarantine(now)
             except Exception:
                 log.error("error in the lease reaper; serving on", exc_info=True)
+
+    async def _loop_lag(self) -> None:
+        """How late a timer fires: the event loop's lag, for the metrics."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due_s = loop.time() + LAG_INTERVAL_S
+            await asyncio.sleep(LAG_INTERVAL_S)
+            self.ctx.opstats.lag(max(0, int((loop.time() - due_s) * 1e9)))
 
     async def _eviction_log(self) -> None:
         while True:
