@@ -44,6 +44,10 @@ class PermissionDenied(HisparseError):
     """An admin op was sent without the daemon's admin token."""
 
 
+class MissingExtra(HisparseError, ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
+
+
 __all__ = [
     "CapacityError",
     "DaemonUnavailable",
@@ -51,6 +55,7 @@ __all__ = [
     "InvalidArgument",
     "LayoutMismatch",
     "LeaseExpired",
+    "MissingExtra",
     "PermissionDenied",
     "ProtocolError",
     "Timeout",

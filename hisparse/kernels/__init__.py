@@ -15,7 +15,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-import torch
+try:
+    import torch
+except ImportError as _exc:
+    from hisparse.extras import missing
+
+    raise missing("torch", "hisparse.kernels (the sparse resolver)") from _exc
 
 from hisparse.kernels.reference import resolve_reference
 
