@@ -36,7 +36,7 @@ def daemon_lines(stats: dict[str, Any]) -> list[str]:
     d = stats["daemon"]
     return [
         f"hisparsed {d['version']} pid {d['pid']} up {format_duration(d['uptime_s'])}, "
-        f"{d['sessions']} sessions, lease ttl {d['lease_ttl_s']:g}s",
+        f"{d['sessions']} sessions, {d.get('fenced_sessions', 0)} fenced, lease ttl {d['lease_ttl_s']:g}s",
         f"regions: capacity {format_size(d['capacity_bytes'])}, "
         f"used {format_size(d['allocated_bytes'])}, free {format_size(d['unallocated_bytes'])}, "
         f"evictions {d['evicted_pages']}",
@@ -69,11 +69,15 @@ def format_namespaces(stats: dict[str, Any]) -> str:
 
 
 def format_sessions(stats: dict[str, Any]) -> str:
-    header = ("session", "namespace", "client", "age", "silent", "reserved", "pins")
-    rows = [(s["id"], s["namespace"] or "(admin)", s["client"] or "anonymous", format_duration(s["age_s"]),
-             format_duration(s["silent_s"]), str(s["reservations"]), str(s["pins"]))
-            for s in sorted(stats.get("sessions", []), key=lambda s: (s["namespace"] or "", -s["age_s"]))]
-    return "\n".join(table(header, rows, left=3)) if rows else "(no sessions)"
+    """Live and fenced sessions (the rows an admin session's ``stats`` reply carries)."""
+    header = ("session", "namespace", "client", "state", "pids", "age", "idle", "reserved", "pinned",
+              "fenced")
+    rows = [(s["handle"], s["namespace"], s["client"] or "anonymous", s["state"],
+             ",".join(str(p) for p in s["pids"]) or "-", format_duration(s["age_s"]),
+             format_duration(s["idle_s"]), str(s["reserved_pages"]), str(s["pinned_pages"]),
+             str(s["fenced_pages"]))
+            for s in sorted(stats.get("sessions", []), key=lambda s: (s["namespace"], s["state"], -s["age_s"]))]
+    return "\n".join(table(header, rows, left=4)) if rows else "(no sessions)"
 
 
 def format_top(stats: dict[str, Any], previous: dict[str, Any] | None, interval_s: float) -> str:

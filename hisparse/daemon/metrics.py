@@ -51,23 +51,34 @@ class Snapshot:
     opstats: OpStats
 
 
+SESSION_STATES = ("active", "silent", "fenced")
+
+
 def session_state(last_seen_s: float, now_s: float, lease_ttl_s: float) -> str:
-    """``active``, or ``silent`` once past half the lease: its client starts no new copy then."""
+    """``active``, or ``silent`` once past half the lease (stalled, or about to expire)."""
     return "active" if now_s - last_seen_s <= lease_ttl_s / 2 else "silent"
 
 
 def take_snapshot(ctx: DaemonContext) -> Snapshot:
-    """On the event loop: O(namespaces + sessions), no per-page work."""
-    stats = handle_stats(ctx, None, None)
+    """On the event loop: O(namespaces + sessions), no per-page work.
+
+    Session states: ``active`` and ``silent`` are live sessions; ``fenced`` are
+    ended ones whose pages stay fenced until their process lets go.
+    """
+    stats = handle_stats(ctx, None, None)  # no session: no per-session rows (they read /proc/locks)
     now_s = ctx.sessions.now()
     ttl_s = ctx.sessions.lease_ttl_s
     sessions: dict[tuple[str, str], int] = {}
     for name in stats["namespaces"]:
-        sessions[(name, "active")] = sessions[(name, "silent")] = 0
+        for state in SESSION_STATES:
+            sessions[(name, state)] = 0
     for s in ctx.sessions.sessions.values():
         if s.namespace is None:
             continue
         key = (s.namespace.name, session_state(s.last_seen_s, now_s, ttl_s))
+        sessions[key] = sessions.get(key, 0) + 1
+    for z in ctx.sessions.zombies.values():
+        key = (z.namespace.name, "fenced")
         sessions[key] = sessions.get(key, 0) + 1
     return Snapshot(stats, sessions, ctx.opstats.copy())
 
@@ -90,7 +101,7 @@ _NS_COUNTERS = (
     ("pins", "pinned_pages", "pages pinned: every load pins what it copies, a sparse tier for a request's life"),
 )
 _PAGE_STATES = (("free", "free_pages"), ("writing", "writing_pages"), ("committed", "committed_pages"),
-                ("quarantined", "quarantined_pages"))
+                ("fenced", "fenced_pages"))
 
 
 class SnapshotCollector:
@@ -113,6 +124,9 @@ class SnapshotCollector:
                                 value=d["lease_ttl_s"])
         yield CounterMetricFamily("hisparse_sessions_expired", "sessions whose lease expired",
                                   value=d["sessions_expired"])
+        yield CounterMetricFamily("hisparse_fences_released", "ended sessions whose fenced pages "
+                                  "were freed once their process let go",
+                                  value=d.get("fenced_sessions_released", 0))
         yield from self._namespaces(stats["namespaces"])
         yield from self._requests()
 
@@ -140,7 +154,8 @@ class SnapshotCollector:
             for key, metric, _ in _NS_COUNTERS:
                 counters[metric].add_metric([name], ns[key])
         sessions = GaugeMetricFamily(
-            "hisparse_sessions", "namespace sessions by state (silent: past half the lease)",
+            "hisparse_sessions", "namespace sessions by state: active, silent (past half the lease), "
+            "fenced (ended, pages held until its process lets go)",
             labels=["namespace", "state"])
         for (name, state), count in sorted(self.snap.sessions.items()):
             sessions.add_metric([name, state], count)

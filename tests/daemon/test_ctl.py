@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -36,9 +37,11 @@ def test_namespaces_sessions_and_top(hisparsed):
 
         r = ctl(hisparsed.socket, "sessions")
         assert r.returncode == 0, r.stderr
-        row = next(x for x in r.stdout.splitlines() if "glm/fp8" in x).split()
-        assert row[0] == f"{c.session:016x}"[:8]
-        assert row[-2:] == ["3", "2"]  # reserved pages, pins
+        row = re.split(r"\s{2,}", next(x for x in r.stdout.splitlines() if "glm/fp8" in x))
+        assert row[0] == f"{c.session:016x}"[:len(row[0])]  # the handle: a prefix of the id
+        assert row[2] == f"test pid {os.getpid()}" and row[3] == "live"
+        assert str(os.getpid()) in row[4].split(",")  # this process holds the session's fence
+        assert row[-3:] == ["3", "2", "0"]  # reserved, pinned, fenced pages
 
         r = ctl(hisparsed.socket, "top", "--interval", "0.2", "--count", "2")
         assert r.returncode == 0, r.stderr

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -134,3 +135,36 @@ def test_metrics_off_and_bad_addresses(daemon_factory):
     bad.start(wait=False)
     assert bad.proc is not None and bad.proc.wait(30) == 2
     assert "neither an absolute unix socket path nor HOST:PORT" in bad.log()
+
+
+def test_a_stalled_writer_shows_as_fenced_until_it_lets_go(daemon_factory):
+    from tests.rawclient import RawClient, keys_for
+
+    d = daemon_factory(lease_ttl=1)
+    address = os.path.join(os.path.dirname(d.socket), "hisparsed.metrics.sock")
+    stalled = RawClient(d.socket)
+    try:
+        stalled.hello("fenced/ns", hisparse.KVLayout(2, 4, 16), 128 * 32)
+        stalled.call(hisparse.protocol.Op.RESERVE, keys=keys_for("stall", 5))
+        # silent past its lease, but its process still holds the fence: the pages stay fenced
+        deadline = time.monotonic() + 30
+        while True:
+            snap = samples(scrape(address))
+            if value(snap, "hisparse_sessions", namespace="fenced/ns", state="fenced") == 1:
+                break
+            assert time.monotonic() < deadline, "the expired session never showed as fenced"
+            time.sleep(0.05)
+        assert value(snap, "hisparse_pages", namespace="fenced/ns", state="fenced") == 5
+        assert value(snap, "hisparse_sessions", namespace="fenced/ns", state="active") == 0
+        assert value(snap, "hisparse_sessions_expired_total") == 1
+        stalled.release_fence()  # the process lets go: the daemon frees the pages
+        while True:
+            snap = samples(scrape(address))
+            if value(snap, "hisparse_fences_released_total") == 1:
+                break
+            assert time.monotonic() < deadline, "the fence was never released"
+            time.sleep(0.05)
+        assert value(snap, "hisparse_pages", namespace="fenced/ns", state="fenced") == 0
+        assert value(snap, "hisparse_sessions", namespace="fenced/ns", state="fenced") == 0
+    finally:
+        stalled.close()
