@@ -13,6 +13,7 @@ adds on top of the transport.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import multiprocessing as mp
 import os
 import sys
@@ -74,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         ours_sock = ctx.socket(zmq.DEALER)
         ours_sock.connect("ipc://" + path)
         layout = KVLayout(78, 64, 656)
-        session = call(ours_sock, Op.HELLO, namespace="bench/rpc", layout=layout,
-                       capacity_bytes=256 << 20, client="benchmarks/rpc")["session"]
+        hello = call(ours_sock, Op.HELLO, namespace="bench/rpc", layout=layout,
+                     capacity_bytes=256 << 20, client="benchmarks/rpc")
+        session = hello["session"]
+        # Reserve needs the session's fence held, as every client holds it.
+        fence_fd = os.open(os.path.join(os.path.dirname(path), "fences", hello["fence"]), os.O_RDONLY)
+        fcntl.flock(fence_fd, fcntl.LOCK_SH)
         assert len(call(ours_sock, Op.RESERVE, session=session, keys=keys)["slots"]) == KEYS
         call(ours_sock, Op.COMMIT, session=session, keys=keys)
         frame = protocol.encode_request(Op.LOOKUP, 7, session=session, keys=keys)
@@ -92,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             ours += round_trips(ours_sock, frame, args.batch)
             bare += round_trips(echo_sock, frame, args.batch)
         ours_sock.close(linger=0)
+        os.close(fence_fd)
     echo_sock.send(b"stop")
     echo_proc.join(10)
     echo_sock.close(linger=0)

@@ -1,6 +1,6 @@
 """The fused sparse-tier resolver: ``resolve`` (Triton) and ``resolve_reference`` (torch).
 
-DESIGN.md, "Sparse tier", is the contract; ``reference.py`` is its executable
+docs/design.md, "Sparse tier", is the contract; ``reference.py`` is its executable
 definition, ``resolve.py`` the Triton kernel, ``unfused.py`` the torch
 baseline that benchmarks compare against, ``equiv.py`` the equivalence check.
 

@@ -168,3 +168,23 @@ def test_a_stalled_writer_shows_as_fenced_until_it_lets_go(daemon_factory):
         assert value(snap, "hisparse_sessions", namespace="fenced/ns", state="fenced") == 0
     finally:
         stalled.close()
+
+
+def test_the_grafana_dashboard_queries_metrics_the_daemon_serves(daemon_factory):
+    import json
+    import re
+
+    d = daemon_factory()
+    with client.attach(NS, LAYOUT, socket=d.socket, capacity="1MiB", timeout_s=5) as c:
+        c.lookup(chain("g", 2))
+        with pytest.raises(hisparse.HisparseError):  # one error, so the errors family has a sample
+            c.request(hisparse.protocol.Op.COMMIT, keys=chain("g", 1))
+        served = {name for name, _ in samples(scrape(os.path.join(os.path.dirname(d.socket),
+                                                                  "hisparsed.metrics.sock")))}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(repo, "docs", "grafana-hisparse.json")) as f:
+        dashboard = json.load(f)
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"]]
+    queried = {m for e in exprs for m in re.findall(r"hisparse_[a-z_]+", e)}
+    assert len(queried) >= 12 and queried <= served, queried - served
