@@ -77,7 +77,7 @@ def test_install_into_a_temporary_root_then_uninstall(tmp_path):
     if analyze is not None:
         (root / "etc/passwd").write_text("root:x:0:0::/root:/bin/sh\nhisparse:x:990:990::/nonexistent:/usr/sbin/nologin\n")
         (root / "etc/group").write_text("root:x:0:\nhisparse:x:990:\n")
-        r = run(analyze, f"--root={root}", "--create", "/etc/tmpfiles.d/hisparse.conf")
+        r = run(tmpfiles, f"--root={root}", "--create", "hisparse.conf")  # found under the root
         assert r.returncode == 0, r.stderr
         shm = os.stat(root / "dev/shm/hisparse")
         assert stat.S_IMODE(shm.st_mode) == 0o2770 and shm.st_gid == 990
