@@ -73,8 +73,8 @@ def test_install_into_a_temporary_root_then_uninstall(tmp_path):
     staged_daemon_answers(str(root / "opt/hisparse/venv/bin"), tmp_path)
 
     # the tmpfiles entry, applied to the staged root with its own users
-    analyze = shutil.which("systemd-tmpfiles")
-    if analyze is not None:
+    tmpfiles = shutil.which("systemd-tmpfiles")
+    if tmpfiles is not None:
         (root / "etc/passwd").write_text("root:x:0:0::/root:/bin/sh\nhisparse:x:990:990::/nonexistent:/usr/sbin/nologin\n")
         (root / "etc/group").write_text("root:x:0:\nhisparse:x:990:\n")
         r = run(tmpfiles, f"--root={root}", "--create", "hisparse.conf")  # found under the root
