@@ -19,9 +19,8 @@ import sys
 import time
 from typing import Any
 
-from hisparse import protocol
+from hisparse import ctlviews, protocol
 from hisparse.client.transport import Transport
-from hisparse import ctlviews
 from hisparse.errors import DaemonUnavailable, HisparseError, PermissionDenied
 from hisparse.paths import default_socket_path
 
