@@ -13,7 +13,6 @@ adds on top of the transport.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import multiprocessing as mp
 import os
 import sys
@@ -25,7 +24,9 @@ import zmq
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import percentile, running_daemon  # noqa: E402
 from hisparse import KVLayout, protocol  # noqa: E402
+from hisparse.client.fence import Fence  # noqa: E402
 from hisparse.protocol import Op  # noqa: E402
+from hisparse.shm.fence import fence_dir_for  # noqa: E402
 
 KEYS = 64
 
@@ -78,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         hello = call(ours_sock, Op.HELLO, namespace="bench/rpc", layout=layout,
                      capacity_bytes=256 << 20, client="benchmarks/rpc")
         session = hello["session"]
-        # Reserve needs the session's fence held, as every client holds it.
-        fence_fd = os.open(os.path.join(os.path.dirname(path), "fences", hello["fence"]), os.O_RDONLY)
-        fcntl.flock(fence_fd, fcntl.LOCK_SH)
+        fence = Fence(os.path.join(fence_dir_for(path), hello["fence"]))  # reserve needs it locked
         assert len(call(ours_sock, Op.RESERVE, session=session, keys=keys)["slots"]) == KEYS
         call(ours_sock, Op.COMMIT, session=session, keys=keys)
         frame = protocol.encode_request(Op.LOOKUP, 7, session=session, keys=keys)
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             ours += round_trips(ours_sock, frame, args.batch)
             bare += round_trips(echo_sock, frame, args.batch)
         ours_sock.close(linger=0)
-        os.close(fence_fd)
+        fence.retire()
     echo_sock.send(b"stop")
     echo_proc.join(10)
     echo_sock.close(linger=0)

@@ -1,6 +1,6 @@
 """``hisparsectl``: inspect and control a running hisparsed.
 
-``clear`` reads the admin token the daemon wrote beside its socket
+``clear`` and ``evict-session`` read the admin token the daemon wrote beside its socket
 (``hisparsed.token``, readable only by the daemon's user and root).
 
 Exit codes, for scripts: 0 done; 1 the daemon refused or failed the request;
@@ -120,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="default: the daemon's metrics_address, asked over the socket")
     cl = sub.add_parser("clear", help="drop every committed page of a namespace")
     cl.add_argument("namespace")
+    ev = sub.add_parser("evict-session", help="free a live or fenced session's pages now "
+                        "(its process, if alive, may still write into them: your call)")
+    ev.add_argument("handle", help="the 8-hex-digit handle `sessions` shows")
     return p
 
 
@@ -174,6 +177,11 @@ def _run(ctl: Control, args: argparse.Namespace, socket_path: str) -> None:
         r = ctl.call(protocol.Op.CLEAR, namespace=args.namespace, token=token)
         print(f"cleared {args.namespace!r}: {r['freed_pages']} pages freed, "
               f"{r['doomed_pages']} freed when their pins are released")
+    elif args.command == "evict-session":
+        token = read_token(socket_path, args.token_file)
+        r = ctl.call(protocol.Op.EVICT_SESSION, target=args.handle, token=token)
+        print(f"evicted session {args.handle}: {r['freed_pages']} fenced pages freed, "
+              f"{r['released_pins']} pins released")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,9 @@ def format_stats(stats: dict[str, Any]) -> str:
             for name, ns in sorted(stats["namespaces"].items())]
     lines = [*daemon_lines(stats), ""]
     lines += table(header, rows) if rows else ["(no namespaces)"]
+    if stats.get("sessions"):
+        lines += ["", "sessions (fenced: ended, pages kept until its processes exit or let go;"
+                  " hisparsectl evict-session HANDLE frees them now):", format_sessions(stats)]
     return "\n".join(lines)
 
 
