@@ -122,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     cl.add_argument("namespace")
     ev = sub.add_parser("evict-session", help="free a live or fenced session's pages now "
                         "(its process, if alive, may still write into them: your call)")
-    ev.add_argument("handle", help="the 8-hex-digit handle `sessions` shows")
+    ev.add_argument("handle", help="the 8-hex-digit handle that hisparsectl sessions shows")
     return p
 
 

@@ -68,12 +68,21 @@ def test_plot_prints_its_path(capsys, tmp_path):
     assert rc == 2 and "no" in err and "concurrency sweep" in err
 
 
+def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    from hisparse import ctl
+    from hisparse.daemon import main as daemon_main
+
+    entry = {"plan": cli.main, "demo": cli.main, "hisparsectl": ctl.main, "hisparsed": daemon_main.main}[argv[0]]
+    with pytest.raises(SystemExit) as exit_:
+        entry(argv if entry is cli.main else argv[1:])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
 def test_help_texts_have_no_markup_and_every_flag_is_explained(capsys):
-    for argv in (["plan", "--help"], ["demo", "--help"]):
-        with pytest.raises(SystemExit) as exit_:
-            cli.main(argv)
-        assert exit_.value.code == 0
-        text = capsys.readouterr().out
+    for argv in (["plan", "--help"], ["demo", "--help"], ["hisparsed", "--help"], ["hisparsectl", "--help"],
+                 ["hisparsectl", "evict-session", "--help"], ["hisparsectl", "top", "--help"]):
+        text = _help(argv, capsys)
         assert "``" not in text and "`" not in text
         options = text.split("options:", 1)[1]
         # every "--flag ARG" line carries its help on the same or the next line
@@ -81,4 +90,4 @@ def test_help_texts_have_no_markup_and_every_flag_is_explained(capsys):
         for i, line in enumerate(lines):
             stripped = line.strip()
             if stripped.startswith("--") and len(stripped.split("  ")) == 1:
-                assert i + 1 < len(lines) and lines[i + 1].startswith(" " * 10), f"{argv[0]}: {stripped}"
+                assert i + 1 < len(lines) and lines[i + 1].startswith(" " * 10), f"{argv}: {stripped}"
