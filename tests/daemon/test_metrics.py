@@ -188,3 +188,25 @@ def test_the_grafana_dashboard_queries_metrics_the_daemon_serves(daemon_factory)
     exprs += [v["query"]["query"] for v in dashboard["templating"]["list"]]
     queried = {m for e in exprs for m in re.findall(r"hisparse_[a-z_]+", e)}
     assert len(queried) >= 12 and queried <= served, queried - served
+
+
+def test_a_scraper_that_stalls_holds_up_nobody(daemon_factory):
+    from tests.conftest import ping
+
+    d = daemon_factory()
+    address = os.path.join(os.path.dirname(d.socket), "hisparsed.metrics.sock")
+    stalled = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(8)]
+    try:
+        for s in stalled:
+            s.connect(address)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        assert ping(d.socket, 5.0) is not None
+        assert "hisparse_uptime_seconds" in scrape(address)
+        bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        bad.connect(address)
+        bad.sendall(b"POST /metrics HTTP/1.1\r\n\r\n")
+        assert bad.recv(100).startswith(b"HTTP/1.1 405")
+        bad.close()
+    finally:
+        for s in stalled:
+            s.close()
