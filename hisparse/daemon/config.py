@@ -22,6 +22,7 @@ from hisparse.paths import SYSTEM_SOCKET, daemon_default_socket_path  # noqa: F4
 MIN_LEASE_TTL_S = 1.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 METRICS_SOCKET_NAME = "hisparsed.metrics.sock"
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
 
 
 class ConfigError(HisparseError):
@@ -58,9 +59,14 @@ class Config:
 
     @property
     def metrics_endpoint(self) -> str:
-        """Where the Prometheus endpoint listens: a unix socket path, HOST:PORT, or "" (off)."""
+        """Where the Prometheus endpoint listens: a unix socket path, HOST:PORT, or "" (off).
+
+        The default sits beside the socket; where that path is too long for a
+        unix socket, the default is off rather than a reason not to start.
+        """
         if self.metrics_address is None:
-            return os.path.join(os.path.dirname(self.socket), METRICS_SOCKET_NAME)
+            path = os.path.join(os.path.dirname(self.socket), METRICS_SOCKET_NAME)
+            return path if len(os.fsencode(path)) <= UNIX_PATH_MAX else ""
         return self.metrics_address
 
     def summary(self) -> str:
@@ -70,7 +76,8 @@ class Config:
                 f"capacity={format_size(self.capacity_bytes)} "
                 f"default_namespace_capacity={format_size(self.default_namespace_capacity_bytes)} "
                 f"lease_ttl={self.lease_ttl_s}s log_level={self.log_level} fresh={self.fresh} "
-                f"metrics={self.metrics_endpoint or 'off'} "
+                f"metrics={self.metrics_endpoint or 'off'}"
+                f"{' (the default beside the socket is too long a path)' if self.metrics_address is None and not self.metrics_endpoint else ''} "
                 f"namespaces=[{ns}] config={self.config_file or '(embedded defaults)'}")
 
 
@@ -115,7 +122,11 @@ def _metrics_address(key: str, value: Any) -> str:
     if value in ("", "off"):
         return ""
     if value.startswith("/") or value.startswith("~"):
-        return os.path.abspath(os.path.expanduser(value))
+        path = os.path.abspath(os.path.expanduser(value))
+        if len(os.fsencode(path)) > UNIX_PATH_MAX:
+            raise ConfigError(f"{key}: {path} is longer than a unix socket path may be "
+                              f"({UNIX_PATH_MAX} bytes)")
+        return path
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{key}: {value!r} is neither an absolute unix socket path nor HOST:PORT "

@@ -89,3 +89,10 @@ def test_metrics_address_forms(tmp_path):
     f.write_text("metrics_address = 9477\n")
     with pytest.raises(ConfigError, match="metrics_address: must be a string"):
         config.build(str(f), env={})
+
+
+def test_a_metrics_socket_path_too_long_for_unix_sockets(tmp_path):
+    deep = "/tmp/" + "d" * 80 + "/hisparsed.sock"  # fits; the metrics socket beside it would not
+    assert config.build(env={}, flags={"socket": deep}).metrics_endpoint == ""
+    with pytest.raises(ConfigError, match="longer than a unix socket path"):
+        config.build(env={}, flags={"metrics_address": "/tmp/" + "m" * 110 + ".sock"})
