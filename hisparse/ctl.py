@@ -21,7 +21,7 @@ from typing import Any
 
 from hisparse import ctlviews, protocol
 from hisparse.client.transport import Transport
-from hisparse.errors import DaemonUnavailable, HisparseError, PermissionDenied
+from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired, PermissionDenied
 from hisparse.paths import default_socket_path
 
 EXIT_OK = 0
@@ -45,9 +45,18 @@ class Control:
         self.session: int | None = None
 
     def call(self, op: protocol.Op, **fields: Any) -> dict[str, Any]:
+        try:
+            return self._call(op, **fields)
+        except LeaseExpired:
+            # An admin session silent past the lease (``top`` with a long
+            # interval, a daemon restart): open a new one, once.
+            self.session = None
+            return self._call(op, **fields)
+
+    def _call(self, op: protocol.Op, **fields: Any) -> dict[str, Any]:
         if op not in protocol.SESSIONLESS_OPS:
             if self.session is None:
-                self.session = self.call(protocol.Op.HELLO, client=f"hisparsectl pid {os.getpid()}")["session"]
+                self.session = self._call(protocol.Op.HELLO, client=f"hisparsectl pid {os.getpid()}")["session"]
             fields["session"] = self.session
         try:
             return self._transport.call(op, self.timeout_s, **fields)

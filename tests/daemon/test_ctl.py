@@ -81,3 +81,11 @@ def test_a_socket_nobody_listens_on_fails_fast(tmp_path):
     s.close()
     r = ctl(path, "--timeout", "600", "stats")  # waiting out the timeout would fail the test
     assert r.returncode == EXIT_NO_DAEMON and "nothing listens on it" in r.stderr
+
+
+def test_top_outlives_its_admin_session(daemon_factory):
+    d = daemon_factory(lease_ttl=1)
+    # each refresh comes after the admin session's lease has expired
+    r = ctl(d.socket, "top", "--interval", "2.5", "--count", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("refresh every 2.5s") == 2
