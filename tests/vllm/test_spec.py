@@ -30,7 +30,7 @@ def test_factory_builds_the_spec_from_extra_config(engines):
     assert spec.namespace == "my/ns"
     engine = Engine(spec)
     try:
-        assert isinstance(engine.manager, OffloadingManager)
+        assert isinstance(engine.spec.get_manager(), OffloadingManager)
         assert engine.manager.num_pages == 16  # this engine created the namespace, at its capacity
         assert isinstance(engine.worker(engine.kv_caches()), OffloadingWorker)
     finally:
