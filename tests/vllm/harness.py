@@ -30,7 +30,6 @@ from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -83,14 +82,19 @@ class VllmEngine:
     """One engine: scheduler, worker connector, CPU KV caches, a deterministic forward pass."""
 
     def __init__(self, socket: str, *, engine_id: str = "engine-0", num_blocks: int = 64,
-                 policy: str | None = None, events: bool = False, **extra: Any) -> None:
-        init_none_hash(sha256)
+                 policy: str | None = None, events: bool = False, hash_algo: str = "sha256",
+                 **extra: Any) -> None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        hash_fn = get_hash_fn_by_name(hash_algo)
+        init_none_hash(hash_fn)
         transfer: dict[str, Any] = dict(kv_connector="OffloadingConnector", kv_role="kv_both",
                                         engine_id=engine_id,
                                         kv_connector_extra_config=extra_config(socket, **extra))
         if policy is not None:
             transfer["kv_load_failure_policy"] = policy
-        cache = CacheConfig(block_size=BLOCK_SIZE, cache_dtype="auto", enable_prefix_caching=True)
+        cache = CacheConfig(block_size=BLOCK_SIZE, cache_dtype="auto", enable_prefix_caching=True,
+                            prefix_caching_hash_algo=hash_algo)
         cache.kv_cache_layout = KVCacheLayout.LBNHC.name  # what the engine core resolves for CPU
         kwargs: dict[str, Any] = {}
         if events:
@@ -115,11 +119,20 @@ class VllmEngine:
                                                           kv_cache_config=self.kv_cache_config)
         self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout.LBNHC)
         self.worker.register_kv_caches(self.kv_caches)
-        self._hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self._hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
         self.computed: Counter[str] = Counter()  # tokens the forward pass computed, per request
         self.mismatches: list[tuple[str, int]] = []  # (request, position) holding wrong KV
         self.finished: dict[str, FinishReason] = {}
         self.schedule_s: list[float] = []
+        self.kv_events: list[Any] = []  # what the scheduler published (GPU and offloaded tiers)
+        publisher = self.scheduler.kv_event_publisher
+        publish = publisher.publish
+
+        def record(batch: Any) -> None:
+            self.kv_events.extend(batch.events)
+            publish(batch)
+
+        publisher.publish = record
 
     @property
     def connector(self) -> Any:
@@ -186,6 +199,7 @@ class VllmEngine:
             with manager.lock:
                 snap = manager.stats_snapshot()
             if snap["pending_jobs"] == 0 and snap["writing_keys"] == 0:
+                self.step()  # publishes the events of the commits just made
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"offloads never settled: {snap}")
