@@ -66,7 +66,15 @@ BUSY_RETRY_S = 0.5  # how long a key another session is writing answers RETRY
 
 
 class HiSparseLoadStoreSpec(BlockIDsLoadStoreSpec):
-    """Region page ids, one per key in the order the manager got them; ``-1``: not held."""
+    """Region page ids, one per key in the order the manager got them; ``-1``: not held.
+
+    ``fence_path``: the fence of the session that reserved or pinned the pages;
+    the worker copies only while it holds it (``hisparse.client.fence.hold``).
+    """
+
+    def __init__(self, block_ids: list[int], fence_path: str | None = None) -> None:
+        super().__init__(block_ids)
+        self.fence_path = fence_path
 
     @property
     def page_ids(self) -> Any:
@@ -88,6 +96,13 @@ class _Reservation:
     page: int
     session: Session
     committing: bool = False
+    fenced: bool = True  # holds a reference on the session's fence until the worker is done
+
+
+@dataclass
+class _Load:
+    keys: list[bytes]  # bound to holds, each once
+    fence: Any  # hisparse.client.fence.Fence, acquired for this job; None if nothing is loaded
 
 
 class HiSparseOffloadingManager(OffloadingManager):
@@ -105,8 +120,9 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._holds = Holds(clock)
         self._writing: dict[bytes, _Reservation] = {}
         self._busy_until: dict[bytes, float] = {}
-        self._loads: dict[str, list[list[bytes]]] = {}  # req_id -> keys bound per load in flight
+        self._loads: dict[str, list[_Load]] = {}  # req_id -> loads in flight
         self._reset_jobs: list[Job] = []
+        self._reset_fences: list[Any] = []  # released once the flushed jobs are done
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._announced: set[bytes] = set()
         self._counts = dict.fromkeys(HiSparseMetrics.COUNTERS, 0)
@@ -164,17 +180,29 @@ class HiSparseOffloadingManager(OffloadingManager):
         if distinct and not self._key_checked:
             self._check_key(distinct[0])
         req_id = req_context.req_id
+        current = self._ops.session()
+        fence = current.fence
         page_of: dict[bytes, int] = {}
         bound: list[bytes] = []
         for key in distinct:
-            page = self._holds.bind_load(key, req_id)
-            if page is None:
+            hold = self._holds.get(key)
+            # A pin of a session that is not current, or whose fence says its holds
+            # are lost, protects nothing: that key loads as -1 (and is recomputed).
+            if hold is None or hold.session is not current or not fence.live:
                 page_of[key] = -1
-            else:
-                page_of[key] = page
-                bound.append(key)
+                continue
+            page_of[key] = self._holds.bind_load(key, req_id)  # type: ignore[assignment]
+            bound.append(key)
         if bound:
-            self._loads.setdefault(req_id, []).append(bound)
+            try:
+                fence.acquire()  # the worker's job touches the pages until complete_load
+            except LeaseExpired:
+                fence = None
+            self._loads.setdefault(req_id, []).append(_Load(bound, fence))
+            if fence is None:
+                page_of.update(dict.fromkeys(bound, -1))
+        else:
+            fence = None
         missing = [k for k, p in page_of.items() if p < 0]
         if missing:
             # Only when vLLM loads what no lookup answered HIT for (or the hold was
@@ -182,20 +210,22 @@ class HiSparseOffloadingManager(OffloadingManager):
             self._counts["PIN_FAILURES"] += len(missing)
             log.warning("request %s: %d of %d keys to load are not held", req_id, len(missing),
                         len(distinct))
-        return HiSparseLoadStoreSpec([page_of[k] for k in keys])
+        return HiSparseLoadStoreSpec([page_of[k] for k in keys], fence.path if fence is not None else None)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         loads = self._loads.get(req_context.req_id)
         if not loads:
             return
         wanted = set(keys)
-        index = next((i for i, load in enumerate(loads) if wanted.issuperset(load)), 0)
+        index = next((i for i, load in enumerate(loads) if wanted.issuperset(load.keys)), 0)
         load = loads.pop(index)
         if not loads:
             del self._loads[req_context.req_id]
+        if load.fence is not None:
+            load.fence.release()  # the worker is done with the pages
         # The daemon ranks pages by their last unpin: the chain's tail first, so
         # its head, which every longer prefix needs, is evicted last.
-        releases = [r for r in (self._holds.unbind_load(k, req_context.req_id) for k in load[::-1])
+        releases = [r for r in (self._holds.unbind_load(k, req_context.req_id) for k in load.keys[::-1])
                     if r is not None]
         self._syncer.release(releases)
 
@@ -238,15 +268,29 @@ class HiSparseOffloadingManager(OffloadingManager):
             if slot >= 0:
                 to_store.append(key)
                 pages.append(slot)
-                self._writing[key] = _Reservation(slot, session)
             elif slot == SLOT_BUSY:
                 self._busy_until[key] = now + BUSY_RETRY_S
+        if to_store:
+            acquired = 0
+            try:
+                for _ in to_store:  # one reference per page: released as each one completes
+                    session.fence.acquire()
+                    acquired += 1
+            except LeaseExpired:  # the session was replaced under us: these pages are not ours
+                for _ in range(acquired):
+                    session.fence.release()
+                self._syncer.submit(Job("abort", session, to_store, []))
+                self._counts["ALLOCATION_FAILURES"] += 1
+                return None
+            for key, page in zip(to_store, pages):
+                self._writing[key] = _Reservation(page, session)
         evicted = [OffloadKey(k) for k in evicted_raw]
         self._evicted_now(evicted)
         if not to_store and len(slots) < len(offer):
             self._counts["ALLOCATION_FAILURES"] += 1
             return None
-        return PrepareStoreOutput(keys_to_store=to_store, store_spec=HiSparseLoadStoreSpec(pages),
+        return PrepareStoreOutput(keys_to_store=to_store,
+                                  store_spec=HiSparseLoadStoreSpec(pages, session.fence_path),
                                   evicted_keys=evicted)
 
     def _evicted_now(self, evicted: list[OffloadKey]) -> None:
@@ -263,6 +307,7 @@ class HiSparseOffloadingManager(OffloadingManager):
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         for session, ks in self._writing_by_session(dict.fromkeys(keys)):
+            self._unfence(ks)  # the worker is done with these pages
             if success:
                 for key in ks:
                     self._writing[key].committing = True
@@ -299,11 +344,10 @@ class HiSparseOffloadingManager(OffloadingManager):
             self._events.append(OffloadingEvent(keys=removed, medium=self.medium, removed=True))
 
     def _on_lost(self, keys: list[bytes]) -> None:
-        # A restarted daemon (or an expired lease) dropped these pins: whatever
-        # loads them now fails its job, and the scheduler asks for them again.
-        for key in list(self._writing):
-            if not self._ops.session_is_live(self._writing[key].session):
-                del self._writing[key]  # the reservation died with its session
+        # A restarted daemon (or an expired lease) dropped these pins: the next
+        # lookups pin the keys again. Reservations of the lost session stay
+        # until their complete_store (the worker may still hold the fence);
+        # their commit is then refused and dropped.
         if keys:
             log.info("%d pinned keys lost with their hisparsed session", len(keys))
 
@@ -338,6 +382,10 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._reset_jobs.extend(by_session.values())
         self._reset_jobs.extend(Job("abort", s, ks, []) for s, ks in self._writing_by_session(
             [k for k, r in self._writing.items() if not r.committing]))
+        self._reset_fences.extend(load.fence for loads in self._loads.values() for load in loads
+                                  if load.fence is not None)
+        self._reset_fences.extend(r.session.fence for r in self._writing.values()
+                                  if r.fenced and not r.committing)
         self._loads.clear()
         self._writing = {k: r for k, r in self._writing.items() if r.committing}
         self._busy_until.clear()
@@ -347,6 +395,9 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._mirror.clear()
 
     def on_reset_flushed(self) -> None:
+        fences, self._reset_fences = self._reset_fences, []
+        for fence in fences:
+            fence.release()
         jobs, self._reset_jobs = self._reset_jobs, []
         for job in jobs:
             self._syncer.submit(job)
@@ -403,6 +454,13 @@ class HiSparseOffloadingManager(OffloadingManager):
             if held is not None and not held.committing:
                 groups.setdefault(id(held.session), (held.session, []))[1].append(key)
         return list(groups.values())
+
+    def _unfence(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            held = self._writing.get(key)
+            if held is not None and held.fenced:
+                held.fenced = False
+                held.session.fence.release()
 
     def _check_key(self, key: bytes) -> None:
         check_key(key, self._config)

@@ -206,6 +206,6 @@ class Syncer:
         elif job.op == "abort_missing":
             self._ops.abort(job.session, job.keys, missing_ok=True)
         elif job.op == "unpin":
-            self._ops.unpin(job.session, job.keys)
+            self._ops.unpin(job.session, job.pages)
         else:
             raise AssertionError(job.op)
