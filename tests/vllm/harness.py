@@ -147,10 +147,13 @@ class VllmEngine:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         self.scheduler.add_request(Request(req_id, tokens, params, None, block_hasher=self._hasher))
 
-    def step(self) -> None:
+    def step(self, before_worker: Any = None) -> Any:
+        """One engine step; ``before_worker()`` runs between ``schedule()`` and the worker's half."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.schedule_s.append(time.perf_counter() - t0)
+        if before_worker is not None:
+            before_worker()
         meta = out.kv_connector_metadata
         worker = self.worker
         worker.handle_preemptions(meta)
@@ -178,6 +181,7 @@ class VllmEngine:
             for o in outputs.outputs:
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = o.finish_reason
+        return out
 
     def run(self, req_ids: list[str], timeout_s: float = 30.0) -> None:
         """Step until every request in ``req_ids`` finished."""
