@@ -25,12 +25,12 @@ def test_factory_builds_the_spec_from_extra_config(engines):
     spec = OffloadingSpecFactory.create_spec(config)
     assert isinstance(spec, HiSparseOffloadingSpec)
     assert spec.adapter_config == AdapterConfig(socket=engines.daemon.socket, namespace="my/ns",
-                                                capacity_bytes=16 * 128, timeout_s=3.0,
+                                                capacity_bytes=16 * 128, timeout_s=3.0, deadline_s=2.0,
                                                 hash_algo="sha256_cbor", mirror_refresh_s=0.0)
     assert spec.namespace == "my/ns"
     engine = Engine(spec)
     try:
-        assert isinstance(engine.manager, OffloadingManager)
+        assert isinstance(engine.spec.get_manager(), OffloadingManager)
         assert engine.manager.num_pages == 16  # this engine created the namespace, at its capacity
         assert isinstance(engine.worker(engine.kv_caches()), OffloadingWorker)
     finally:
