@@ -72,6 +72,8 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
                   "num_layers, block_tokens, row_bytes, layer_stride_bytes (ints), "
                   "region_id (int, changes when the file is re-created), created (bool)",
         "events_seq": "int: the namespace's event sequence number now",
+        "warnings": "list[str]: what the attacher should know, e.g. a requested capacity that is "
+                    "not the existing namespace's (also logged by the daemon)",
     },
     Op.PING: {"version": "str", "protocol": "int", "uptime_s": "float", "pid": "int"},
     Op.LOOKUP: {"count": "int: leading keys that are committed"},

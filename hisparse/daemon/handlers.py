@@ -19,7 +19,7 @@ from typing import Any
 
 import hisparse
 from hisparse.daemon.config import Config
-from hisparse.daemon.namespaces import Registry
+from hisparse.daemon.namespaces import Namespace, Registry
 from hisparse.daemon.sessions import Session, SessionTable
 from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch
 from hisparse.protocol import (
@@ -37,6 +37,10 @@ from hisparse.protocol import (
 
 log = logging.getLogger(__name__)
 
+# Entries of an `events` or `keys` reply, at most (fewer than asked is allowed):
+# with 64-byte keys a reply stays under ~1.3 MB however large the limit asked.
+MAX_REPLY_ENTRIES = 16_384
+
 
 @dataclass
 class DaemonContext:
@@ -49,6 +53,7 @@ class DaemonContext:
     evictions_since_log: dict[str, int] = field(default_factory=dict)
     requests_total: int = 0
     errors_total: int = 0
+    transport_stats: Callable[[], dict[str, int]] = lambda: {}
 
 
 Handler = Callable[[DaemonContext, Any, Any], dict[str, Any]]
@@ -62,18 +67,43 @@ def _ns(session: Session):
 
 # -- session-less ops --
 
-def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, Any]:
-    ns = None
-    if req.namespace is not None:
-        assert req.layout is not None
-        try:
-            ns = ctx.registry.get_or_create(req.namespace, req.layout, req.capacity_bytes)
-        except LayoutMismatch as exc:
-            raise WireError(ErrorCode.LAYOUT_MISMATCH, str(exc)) from None
-        except CapacityError as exc:
-            raise WireError(ErrorCode.CAPACITY, str(exc)) from None
-        except InvalidArgument as exc:
-            raise WireError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
+@dataclass
+class Deferred:
+    """A reply that waits for work off the loop: ``finish(result)`` builds its body on the loop."""
+
+    future: Any  # asyncio.Future
+    finish: Callable[[Any], dict[str, Any]]
+    errors: Callable[[BaseException], WireError | None] = lambda exc: None
+
+
+def _attach_errors(exc: BaseException) -> WireError | None:
+    if isinstance(exc, LayoutMismatch):
+        return WireError(ErrorCode.LAYOUT_MISMATCH, str(exc))
+    if isinstance(exc, CapacityError):
+        return WireError(ErrorCode.CAPACITY, str(exc))
+    if isinstance(exc, InvalidArgument):
+        return WireError(ErrorCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, OSError):  # e.g. shm_dir full or gone: the daemon serves on
+        return WireError(ErrorCode.CAPACITY, f"the region could not be created: {exc}")
+    return None
+
+
+def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, Any] | Deferred:
+    if req.namespace is None:
+        return _open_session(ctx, None, req, [])
+    assert req.layout is not None
+    warnings: list[str] = []
+    try:
+        got = ctx.registry.attach(req.namespace, req.layout, req.capacity_bytes, warnings)
+    except (LayoutMismatch, CapacityError, InvalidArgument) as exc:
+        raise _attach_errors(exc) from None  # type: ignore[misc]
+    if not isinstance(got, Namespace):  # its region is being allocated off the loop
+        return Deferred(got, lambda ns: _open_session(ctx, ns, req, warnings), _attach_errors)
+    return _open_session(ctx, got, req, warnings)
+
+
+def _open_session(ctx: DaemonContext, ns: Namespace | None, req: HelloRequest,
+                  warnings: list[str]) -> dict[str, Any]:
     session = ctx.sessions.open(ns, req.client)
     if ns is not None:
         log.info("attach: %s", session.describe())
@@ -86,6 +116,7 @@ def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, An
         "daemon_version": hisparse.__version__,
         "region": ns.region_info() if ns else None,
         "events_seq": ns.index.events.last_seq if ns else 0,
+        "warnings": warnings,
     }
 
 
@@ -205,11 +236,12 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
         "evicted_pages": sum(ns.index.counters.evicted_pages for ns in ctx.registry.namespaces.values()),
     }
     daemon.update(ctx.registry.stats())
+    daemon.update(ctx.transport_stats())
     return {"daemon": daemon, "namespaces": namespaces}
 
 
 def handle_events(ctx: DaemonContext, session: Session, req: EventsRequest) -> dict[str, Any]:
-    events, seq, reset = _ns(session).index.events.since(req.after, req.limit)
+    events, seq, reset = _ns(session).index.events.since(req.after, min(req.limit, MAX_REPLY_ENTRIES))
     return {"seq": seq, "events": [list(e) for e in events], "reset": reset}
 
 
@@ -217,7 +249,7 @@ def handle_keys(ctx: DaemonContext, session: Session, req: KeysPageRequest) -> d
     index = _ns(session).index
     seq = index.events.last_seq
     index.events.enabled = True
-    keys, cursor = index.committed_page(req.cursor, req.limit)
+    keys, cursor = index.committed_page(req.cursor, min(req.limit, MAX_REPLY_ENTRIES))
     return {"keys": [list(k) for k in keys], "next_cursor": cursor, "seq": seq}
 
 
