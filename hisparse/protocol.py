@@ -29,7 +29,7 @@ from typing import Any
 import msgpack
 
 from hisparse import errors
-from hisparse.layout import KVLayout, parse_size
+from hisparse.layout import MAX_SIZE_BYTES, KVLayout, parse_size
 
 VERSION = 1
 
@@ -243,6 +243,17 @@ def _field(msg: dict[str, Any], name: str, types: tuple[type, ...], *, optional:
     return value
 
 
+MAX_WIRE_INT = (1 << 63) - 1
+
+
+def _number(msg: dict[str, Any], name: str) -> int:
+    """A required non-negative integer field below 2**63 (ids, sessions, cursors)."""
+    value = _field(msg, name, (int,))
+    if not 0 <= value <= MAX_WIRE_INT:
+        raise WireError(ErrorCode.INVALID_ARGUMENT, f"field {name!r} must be 0-{MAX_WIRE_INT}, not {value}")
+    return value
+
+
 def _tname(types: tuple[type, ...]) -> str:
     return " or ".join(t.__name__ for t in types)
 
@@ -293,8 +304,9 @@ def _hello(op: Op, rid: int, msg: dict[str, Any]) -> HelloRequest:
             layout = KVLayout.from_wire(layout_raw)
         except errors.InvalidArgument as exc:
             raise WireError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
-    if capacity is not None and capacity <= 0:
-        raise WireError(ErrorCode.INVALID_ARGUMENT, f"capacity_bytes must be positive, not {capacity}")
+    if capacity is not None and not 0 < capacity <= MAX_SIZE_BYTES:
+        raise WireError(ErrorCode.INVALID_ARGUMENT,
+                        f"capacity_bytes must be 1-{MAX_SIZE_BYTES}, not {str(capacity)[:24]}")
     return HelloRequest(op, rid, None, namespace, layout, capacity, client[:200])
 
 
@@ -308,10 +320,10 @@ def decode_request(frame: bytes) -> Request:
                         f"frame of {len(frame)} bytes; the limit is {MAX_FRAME_BYTES}")
     msg = _unpack_map(frame)
     version = msg.get("v")
-    if version != VERSION or isinstance(version, bool):
+    if type(version) is not int or version != VERSION:  # 1.0 and True are not 1
         raise WireError(ErrorCode.VERSION_MISMATCH,
                         f"protocol version {version!r}; this daemon speaks {VERSION}")
-    rid = _field(msg, "id", (int,))
+    rid = _number(msg, "id")
     op_name = _field(msg, "op", (str,))
     try:
         op = Op(op_name)
@@ -325,19 +337,17 @@ def decode_request(frame: bytes) -> Request:
         token = _field(msg, "token", (str,), optional=True)
         if token is None:
             raise WireError(ErrorCode.PERMISSION_DENIED, f"{op.value} needs the admin token")
-        session = _field(msg, "session", (int,))
+        session = _number(msg, "session")
         namespace = _field(msg, "namespace", (str,)) if op is Op.CLEAR else None
         return AdminRequest(op, rid, session, token, namespace)
-    session = _field(msg, "session", (int,))
+    session = _number(msg, "session")
     if op in _KEY_OPS:
         missing_ok = _field(msg, "missing_ok", (bool,), optional=True) if op is Op.ABORT else None
         return KeysRequest(op, rid, session, _keys(msg), bool(missing_ok))
     if op is Op.EVENTS:
-        return EventsRequest(op, rid, session, _field(msg, "after", (int,)), _limit(msg))
+        return EventsRequest(op, rid, session, _number(msg, "after"), _limit(msg))
     if op is Op.KEYS:
-        cursor = _field(msg, "cursor", (int,))
-        if cursor < 0:
-            raise WireError(ErrorCode.INVALID_ARGUMENT, f"cursor must not be negative: {cursor}")
+        cursor = _number(msg, "cursor")
         return KeysPageRequest(op, rid, session, cursor, _limit(msg))
     return SessionRequest(op, rid, session)
 

@@ -221,8 +221,8 @@ class Registry:
                 "left: ask for less, drop a namespace, or raise --capacity")
         return geometry, cost
 
-    def _build(self, name: str, geometry: RegionGeometry) -> tuple[str, int, MetaTable]:
-        """Allocate the region and write its table (a worker thread): (region path, id, table)."""
+    def _build(self, name: str, geometry: RegionGeometry) -> tuple[str, int, MetaTable, NamespaceIndex]:
+        """Allocate the region, write its table, build its index (a worker thread)."""
         started = time.monotonic()
         region_id = secrets.randbits(62)
         region_path = self.region_path(name, region_id)
@@ -242,16 +242,16 @@ class Registry:
             log.error("metadata table of namespace %r not created: %s", name, exc)
             trust.unlink_own(region_path)
             raise
+        index = NamespaceIndex(table)
         log.debug("allocated %s for %r in %.2fs", format_size(geometry.size_bytes), name,
                   time.monotonic() - started)
-        return region_path, region_id, table
+        return region_path, region_id, table, index
 
-    def _register(self, name: str, layout: KVLayout, built: tuple[str, int, MetaTable],
-                  cost: int) -> Namespace:
-        region_path, region_id, table = built
+    def _register(self, name: str, layout: KVLayout,
+                  built: tuple[str, int, MetaTable, NamespaceIndex], cost: int) -> Namespace:
+        region_path, region_id, table, index = built
         geometry = table.header.geometry
-        ns = Namespace(name, layout, geometry, region_path, region_id, table,
-                       NamespaceIndex(table), True, cost)
+        ns = Namespace(name, layout, geometry, region_path, region_id, table, index, True, cost)
         self.namespaces[name] = ns
         log.info("created namespace %r: %d pages of %s (%s; %s charged), region %s", name,
                  geometry.num_pages, format_size(layout.page_bytes), format_size(geometry.size_bytes),
