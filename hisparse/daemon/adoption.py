@@ -14,6 +14,7 @@ name, and nothing else.
 
 from __future__ import annotations
 
+import errno
 import glob
 import logging
 import os
@@ -48,7 +49,9 @@ def adopt_all(registry: Registry) -> None:
             log.warning("not adopting %s: %s; left alone", table_path, exc)
             continue
         except (InvalidArgument, OSError) as exc:
-            if cfg.fresh:
+            if isinstance(exc, OSError) and exc.errno == errno.ELOOP:
+                log.warning("not adopting %s: it is a symbolic link; left alone", table_path)
+            elif cfg.fresh:
                 trust.unlink_own(table_path)
             else:
                 log.warning("not adopting %s: %s; left alone (remove it, or start with --fresh)",
