@@ -263,13 +263,19 @@ def _keys(msg: dict[str, Any]) -> tuple[bytes, ...]:
     if len(raw) > MAX_KEYS_PER_REQUEST:
         raise WireError(ErrorCode.INVALID_ARGUMENT,
                         f"{len(raw)} keys in one request; the limit is {MAX_KEYS_PER_REQUEST}")
+    keys = tuple(raw)
+    # The common case checked in C (a flood of the largest requests costs the
+    # loop little); the loop below only runs to name the offending key.
+    if set(map(type, keys)) <= {bytes} and (
+            not keys or MIN_KEY_BYTES <= min(map(len, keys)) and max(map(len, keys)) <= MAX_KEY_BYTES):
+        return keys
     for i, key in enumerate(raw):
         if not isinstance(key, bytes):
             raise WireError(ErrorCode.PROTOCOL_ERROR, f"keys[{i}] must be bytes, not {type(key).__name__}")
         if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
             raise WireError(ErrorCode.INVALID_ARGUMENT,
                             f"keys[{i}] is {len(key)} bytes; keys are {MIN_KEY_BYTES}-{MAX_KEY_BYTES} bytes")
-    return tuple(raw)
+    return keys
 
 
 def _limit(msg: dict[str, Any]) -> int:

@@ -36,7 +36,7 @@ MAX_BATCH_S = 0.02  # ... or this long, so timers and signals run under a flood
 # are dropped). ZeroMQ's queues are per connection, and the ROUTER takes one
 # message from each connection in turn (fair queueing), so a flooding peer
 # delays another's request by at most one of its own requests per turn.
-RCVHWM_MESSAGES = 8
+RCVHWM_MESSAGES = 2
 SNDHWM_MESSAGES = 64
 # A frame above this is not even read: ZeroMQ drops the connection. Frames
 # between MAX_FRAME_BYTES and this get a FRAME_TOO_LARGE reply.

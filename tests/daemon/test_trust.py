@@ -109,12 +109,12 @@ def test_a_planted_region_file_cannot_block_a_configured_namespace(daemon_factor
     d = daemon_factory(start=False, extra=("--config", str(cfg)))
     os.chmod(d.shm_dir, 0o1777)
     tag = namespace_tag("glm")
+    # what another user may plant under the names the region used to have (a
+    # directory: not even root's daemon can unlink it)
     for name in (f"hisparse-{tag}.region", f"hisparse-{tag}.meta"):
         path = os.path.join(d.shm_dir, name)
-        with open(path, "wb") as f:
-            f.write(b"planted")
+        os.mkdir(path)
         os.chown(path, OTHER_UID, OTHER_UID)
-        os.chmod(path, 0o600)
     d.start()
     c = RawClient(d.socket)
     try:
