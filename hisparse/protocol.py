@@ -64,6 +64,7 @@ class Op(str, enum.Enum):
     CLEAR = "clear"  # admin: drop every committed page of one namespace
     SHUTDOWN = "shutdown"  # admin: stop the daemon as SIGTERM would
     BYE = "bye"  # close the session now, releasing everything it holds
+    DROP = "drop"  # admin: remove a namespace and its region; its memory goes back to the capacity
     EVICT_SESSION = "evict_session"  # admin: end a session (or a fenced one) and free its pages now
 
 
@@ -105,11 +106,13 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
     Op.CLEAR: {"freed_pages": "int", "doomed_pages": "int: pinned now, freed on their last unpin"},
     Op.SHUTDOWN: {},
     Op.BYE: {},
+    Op.DROP: {"freed_bytes": "int: what the namespace took from the capacity",
+              "ended_sessions": "int: sessions ended (needs force: true when any were attached)"},
     Op.EVICT_SESSION: {"freed_pages": "int: fenced pages freed", "released_pins": "int"},
 }
 
 SESSIONLESS_OPS = frozenset({Op.HELLO, Op.PING})
-ADMIN_OPS = frozenset({Op.CLEAR, Op.SHUTDOWN, Op.EVICT_SESSION})
+ADMIN_OPS = frozenset({Op.CLEAR, Op.SHUTDOWN, Op.EVICT_SESSION, Op.DROP})
 
 
 class ErrorCode(str, enum.Enum):
@@ -128,6 +131,7 @@ class ErrorCode(str, enum.Enum):
     CAPACITY = "CAPACITY"  # a region would not fit in the daemon's capacity
     PERMISSION_DENIED = "PERMISSION_DENIED"  # admin op without the admin token
     SHUTTING_DOWN = "SHUTTING_DOWN"  # the daemon is draining and takes no new work
+    QUOTA_EXCEEDED = "QUOTA_EXCEEDED"  # a per-session limit (the message names it) would be passed
     INTERNAL = "INTERNAL"  # a bug in the daemon; it logged a traceback and serves on
 
 
@@ -145,6 +149,7 @@ _ERROR_CLASSES: dict[ErrorCode, type[errors.HisparseError]] = {
     ErrorCode.CAPACITY: errors.CapacityError,
     ErrorCode.PERMISSION_DENIED: errors.PermissionDenied,
     ErrorCode.SHUTTING_DOWN: errors.DaemonUnavailable,
+    ErrorCode.QUOTA_EXCEEDED: errors.QuotaExceeded,
     ErrorCode.INTERNAL: errors.HisparseError,
 }
 
@@ -245,6 +250,7 @@ class AdminRequest(Request):
     token: str
     namespace: str | None  # clear: the namespace; shutdown: None
     target: str | None = None  # evict_session: the session's 8-hex-digit handle
+    force: bool = False  # drop: end the namespace's sessions too
 
 
 _KEY_OPS = frozenset({Op.LOOKUP, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN})
@@ -380,14 +386,15 @@ def decode_request(frame: bytes) -> Request:
         if token is None:
             raise WireError(ErrorCode.PERMISSION_DENIED, f"{op.value} needs the admin token")
         session = _number(msg, "session")
-        namespace = _field(msg, "namespace", (str,)) if op is Op.CLEAR else None
+        namespace = _field(msg, "namespace", (str,)) if op in (Op.CLEAR, Op.DROP) else None
+        force = bool(_field(msg, "force", (bool,), optional=True)) if op is Op.DROP else False
         target = None
         if op is Op.EVICT_SESSION:
             target = _field(msg, "target", (str,)).lower()
             if len(target) != 8 or any(c not in "0123456789abcdef" for c in target):
                 raise WireError(ErrorCode.INVALID_ARGUMENT,
                                 f"target must be a session's 8-hex-digit handle, not {target[:20]!r}")
-        return AdminRequest(op, rid, session, token, namespace, target)
+        return AdminRequest(op, rid, session, token, namespace, target, force)
     session = _number(msg, "session")
     if op in _KEY_OPS:
         missing_ok = _field(msg, "missing_ok", (bool,), optional=True) if op is Op.ABORT else None

@@ -41,6 +41,11 @@ class Config:
     default_namespace_capacity_bytes: int = 1 << 30
     min_page_bytes: int = 64  # a layout with smaller pages is refused (hello: INVALID_ARGUMENT)
     max_namespaces: int = 64
+    # Per session, as a share of its namespace's pages: a refusal is QUOTA_EXCEEDED.
+    # Embedded default 1 (a single tenant may use its whole region, as before);
+    # the shared-node config (systemd/hisparsed.toml) sets 0.5.
+    session_pin_share: float = 1.0
+    session_reserve_share: float = 1.0
     namespaces: dict[str, NamespaceConfig] = field(default_factory=dict)
     lease_ttl_s: float = 10.0
     log_level: str = "INFO"
@@ -66,6 +71,8 @@ class Config:
                 f"capacity={format_size(self.capacity_bytes)} "
                 f"default_namespace_capacity={format_size(self.default_namespace_capacity_bytes)} "
                 f"min_page_bytes={self.min_page_bytes} max_namespaces={self.max_namespaces} "
+                f"session_pin_share={self.session_pin_share} "
+                f"session_reserve_share={self.session_reserve_share} "
                 f"lease_ttl={self.lease_ttl_s}s log_level={self.log_level} fresh={self.fresh} "
                 f"namespaces=[{ns}] config={self.config_file or '(embedded defaults)'}")
 
@@ -108,6 +115,16 @@ def _count(key: str, value: Any) -> int:
     return number
 
 
+def _share(key: str, value: Any) -> float:
+    try:
+        share = float(value) if not isinstance(value, bool) else -1.0
+    except (TypeError, ValueError):
+        share = -1.0
+    if not 0.0 < share <= 1.0:
+        raise ConfigError(f"{key}: must be a share above 0 and at most 1 (e.g. 0.5), not {value!r}")
+    return share
+
+
 def _level(key: str, value: Any) -> str:
     if not isinstance(value, str) or value.upper() not in LOG_LEVELS:
         raise ConfigError(f"{key}: must be one of {', '.join(LOG_LEVELS)}, not {value!r}")
@@ -122,11 +139,13 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "default_namespace_capacity": ("default_namespace_capacity_bytes", _size),
     "min_page_bytes": ("min_page_bytes", _size),
     "max_namespaces": ("max_namespaces", _count),
+    "session_pin_share": ("session_pin_share", _share),
+    "session_reserve_share": ("session_reserve_share", _share),
     "lease_ttl": ("lease_ttl_s", _ttl),
     "log_level": ("log_level", _level),
     "admin_token_file": ("admin_token_file", _path),
 }
-RELOADABLE = ("lease_ttl_s", "log_level")
+RELOADABLE = ("lease_ttl_s", "log_level", "session_pin_share", "session_reserve_share")
 
 
 def _namespaces(value: Any) -> dict[str, NamespaceConfig]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import hisparse
 from hisparse.daemon.config import Config
+from hisparse.daemon.governance import check_pin_quota, handle_drop, reserve_room
 from hisparse.daemon.namespaces import Namespace, Registry
 from hisparse.daemon.sessions import PinHold, Session, SessionTable, Zombie
 from hisparse.daemon.proclocks import lock_holders
@@ -158,7 +159,7 @@ def _require_fence(session: Session, what: str) -> None:
 def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     ns = _ns(session)
     _require_fence(session, "reserve")
-    slots, evicted = ns.index.reserve(req.keys, session.reservations)
+    slots, evicted = ns.index.reserve(req.keys, session.reservations, reserve_room(ctx, session))
     # The hold is on record before the reply grants it: a successor daemon fences it.
     session.fence.add_reserved([s for s in slots if s >= 0])  # type: ignore[union-attr]
     if evicted:
@@ -209,6 +210,7 @@ def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict
 def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     ns = _ns(session)
     _require_fence(session, "pin")
+    check_pin_quota(ctx, session, ns.index.committed_prefix_pages(req.keys))
     pages = ns.index.pin(req.keys)
     session.fence.add_pins(pages)  # type: ignore[union-attr]
     pins = session.pins
@@ -382,5 +384,6 @@ HANDLERS: dict[Op, Handler] = {
     Op.SHUTDOWN: handle_shutdown,
     Op.BYE: handle_bye,
     Op.EVICT_SESSION: handle_evict_session,
+    Op.DROP: handle_drop,
 }
 assert set(HANDLERS) == set(Op), "every op needs a handler"

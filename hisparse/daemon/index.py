@@ -171,6 +171,10 @@ class NamespaceIndex:
             pages.append(page)
         return pages
 
+    def committed_prefix_pages(self, keys: tuple[bytes, ...]) -> list[int]:
+        """Pages of the leading committed keys, touching nothing (a quota check before a pin)."""
+        return self._committed_prefix(keys)
+
     def lookup(self, keys: tuple[bytes, ...]) -> int:
         """Leading committed keys; touches them so a prefix's head outlives its tail."""
         hits = self._committed_prefix(keys)
@@ -184,12 +188,14 @@ class NamespaceIndex:
 
     # -- writes --
 
-    def reserve(self, keys: tuple[bytes, ...], held: dict[bytes, int]) -> tuple[list[int], list[bytes]]:
+    def reserve(self, keys: tuple[bytes, ...], held: dict[bytes, int],
+                max_new: int | None = None) -> tuple[list[int], list[bytes]]:
         """Slots for ``keys`` (see protocol.SLOT_*) and the keys evicted to make room.
 
         ``held`` is the calling session's reservations (key -> page); new
         ones are added to it. A key already WRITING is BUSY for everyone,
-        its own session included. Stops at the first key that finds no room.
+        its own session included. Stops at the first key that finds no room,
+        or that would take more than ``max_new`` pages (the session's quota).
         """
         slots: list[int] = []
         evicted: list[bytes] = []
@@ -206,6 +212,8 @@ class NamespaceIndex:
                     # one client): one reservation has exactly one writer.
                     slots.append(SLOT_BUSY)
                 continue
+            if max_new is not None and new >= max_new:
+                break
             if not self.free:
                 victim = self._evict_one()
                 if victim is None:

@@ -49,6 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="region size of a namespace neither the config nor its attach sizes")
     p.add_argument("--min-page-bytes", metavar="SIZE", help="refuse layouts with smaller pages (default 64)")
     p.add_argument("--max-namespaces", metavar="N", help="most namespaces at once (default 64)")
+    p.add_argument("--session-pin-share", metavar="SHARE",
+                   help="most of a namespace's pages one session may pin (default 1)")
+    p.add_argument("--session-reserve-share", metavar="SHARE",
+                   help="most of a namespace's pages one session may hold reserved (default 1)")
     p.add_argument("--lease-ttl", metavar="SECONDS", help="silence after which a session expires")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument("--admin-token-file", metavar="PATH", help="default: hisparsed.token beside the socket")
@@ -205,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
              "meta_dir": args.meta_dir, "lease_ttl": args.lease_ttl, "log_level": args.log_level,
              "default_namespace_capacity": args.default_namespace_capacity,
              "admin_token_file": args.admin_token_file, "min_page_bytes": args.min_page_bytes,
-             "max_namespaces": args.max_namespaces}
+             "max_namespaces": args.max_namespaces, "session_pin_share": args.session_pin_share,
+             "session_reserve_share": args.session_reserve_share}
     try:
         cfg = config_mod.build(args.config, flags=flags, fresh=args.fresh)
     except HisparseError as exc:
