@@ -124,11 +124,12 @@ class Locked:
         return call
 
 
-def wait_until(predicate: Any, timeout_s: float = 10.0, what: str = "condition") -> None:
+def wait_until(predicate: Any, timeout_s: float = 10.0, what: str = "condition",
+               describe: Any = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}" + (f": {describe()}" if describe else ""))
         time.sleep(0.002)
 
 

@@ -154,6 +154,10 @@ class VllmEngine:
         self.schedule_s.append(time.perf_counter() - t0)
         if before_worker is not None:
             before_worker()
+        return self.finish_step(out)
+
+    def finish_step(self, out: Any) -> Any:
+        """The rest of a step after ``schedule()``: the worker's half, the forward pass, the update."""
         meta = out.kv_connector_metadata
         worker = self.worker
         worker.handle_preemptions(meta)

@@ -114,9 +114,12 @@ def test_a_restart_between_schedule_and_load_recomputes_the_request(hisparsed):
         a.add("a", base)
         a.run(["a"])
         a.drain()
+        wait_until(lambda: b.manager.stats_snapshot()["committed_keys"] == 6, what="b's mirror")
         b.add("b", base[:96] + [5] * 8)
         b.step()  # RETRY: pins asked for
-        wait_until(lambda: b.manager.stats_snapshot()["held_keys"] == 6, what="b's pins")
+        wait_until(lambda: b.manager.stats_snapshot()["held_keys"] == 6, what="b's pins",
+                   describe=lambda: (b.manager.stats_snapshot(), b.manager._holds.wanted,
+                                     len(b.schedule_s), b.scheduler.get_num_unfinished_requests()))
         # this step's lookups say HIT and prepare_load hands out the pages; the
         # daemon dies and comes back before the worker copies
         b.step(before_worker=lambda: restart_hard(hisparsed))
