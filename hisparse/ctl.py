@@ -1,6 +1,6 @@
 """``hisparsectl``: inspect and control a running hisparsed.
 
-``clear`` and ``evict-session`` read the admin token the daemon wrote beside its socket
+``clear``, ``drop`` and ``evict-session`` read the admin token the daemon wrote beside its socket
 (``hisparsed.token``, readable only by the daemon's user and root).
 
 Exit codes, for scripts: 0 done; 1 the daemon refused or failed the request;
@@ -22,6 +22,7 @@ from typing import Any
 from hisparse import ctlviews, protocol
 from hisparse.client.transport import Transport
 from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired, PermissionDenied
+from hisparse.layout import format_size
 from hisparse.paths import default_socket_path
 
 EXIT_OK = 0
@@ -129,6 +130,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="default: the daemon's metrics_address, asked over the socket")
     cl = sub.add_parser("clear", help="drop every committed page of a namespace")
     cl.add_argument("namespace")
+    dr = sub.add_parser("drop", help="remove a namespace and its region; its memory goes back "
+                        "to the daemon's capacity")
+    dr.add_argument("namespace")
+    dr.add_argument("--force", action="store_true", help="also end the sessions attached to it")
     ev = sub.add_parser("evict-session", help="free a live or fenced session's pages now "
                         "(its process, if alive, may still write into them: your call)")
     ev.add_argument("handle", help="the 8-hex-digit handle that hisparsectl sessions shows")
@@ -186,6 +191,12 @@ def _run(ctl: Control, args: argparse.Namespace, socket_path: str) -> None:
         r = ctl.call(protocol.Op.CLEAR, namespace=args.namespace, token=token)
         print(f"cleared {args.namespace!r}: {r['freed_pages']} pages freed, "
               f"{r['doomed_pages']} freed when their pins are released")
+    elif args.command == "drop":
+        token = read_token(socket_path, args.token_file)
+        r = ctl.call(protocol.Op.DROP, namespace=args.namespace, token=token,
+                     force=True if args.force else None)
+        print(f"dropped {args.namespace!r}: {format_size(r['freed_bytes'])} back to the capacity, "
+              f"{r['ended_sessions']} sessions ended")
     elif args.command == "evict-session":
         token = read_token(socket_path, args.token_file)
         r = ctl.call(protocol.Op.EVICT_SESSION, target=args.handle, token=token)
