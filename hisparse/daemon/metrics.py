@@ -127,6 +127,10 @@ class SnapshotCollector:
         yield CounterMetricFamily("hisparse_fences_released", "ended sessions whose fenced pages "
                                   "were freed once their process let go",
                                   value=d.get("fenced_sessions_released", 0))
+        yield CounterMetricFamily("hisparse_replies_dropped", "replies dropped: the client stopped "
+                                  "reading or went away", value=d.get("replies_dropped", 0))
+        yield GaugeMetricFamily("hisparse_replies_queued_bytes", "replies waiting for slow readers",
+                                value=d.get("replies_queued_bytes", 0))
         yield from self._namespaces(stats["namespaces"])
         yield from self._requests()
 
