@@ -21,7 +21,8 @@ def ctl(socket_path: str, *args: str, timeout_s: float = 30) -> subprocess.Compl
                           capture_output=True, text=True, timeout=timeout_s)
 
 
-def test_namespaces_sessions_and_top(hisparsed):
+def test_namespaces_sessions_and_top(daemon_factory):
+    hisparsed = daemon_factory(lease_ttl=30)  # the raw client is silent through several hisparsectl runs
     c = RawClient(hisparsed.socket)
     try:
         c.hello("glm/fp8", LAYOUT, 192 * 1024)
