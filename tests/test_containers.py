@@ -29,6 +29,10 @@ def compose() -> dict:
         return yaml.safe_load(f)
 
 
+def dockerfile_uid(dockerfile: str) -> str:
+    return re.search(r"ARG HISPARSE_UID=(\d+)", dockerfile).group(1)
+
+
 def test_dockerfiles_pass_hadolint():
     hadolint = shutil.which("hadolint") or os.path.join(os.path.dirname(sys.executable), "hadolint")
     if not os.path.exists(hadolint):
@@ -54,7 +58,9 @@ def test_compose_shares_the_run_and_shm_directories_with_the_right_group():
     assert services["engine"]["environment"]["HISPARSE_SOCKET"] == cfg.socket
     assert services["engine"]["ulimits"]["memlock"] == -1
     for volume in c["volumes"].values():
-        assert f"gid={gid}" in volume["driver_opts"]["o"]
+        opts = dict(kv.split("=") for kv in volume["driver_opts"]["o"].split(","))
+        assert opts["gid"] == gid and opts["uid"] == dockerfile_uid(dockerfile)
+        assert int(opts["mode"], 8) & 0o022 == 0  # the daemon refuses directories others may write
     # the regions fit in the shm volume
     shm_opts = dict(kv.split("=") for kv in c["volumes"]["hisparse-shm"]["driver_opts"]["o"].split(","))
     assert cfg.capacity_bytes < parse_size(shm_opts["size"].replace("g", "GiB"))

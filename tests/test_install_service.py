@@ -34,9 +34,11 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
 
-def staged_daemon_answers(venv_bin: str, tmp_path) -> None:
-    sock = str(tmp_path / "run" / "hisparsed.sock")
-    shm = tempfile.mkdtemp(prefix="hisparse-test-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+def staged_daemon_answers(venv_bin: str, run_dir: str, shm: str | None) -> None:
+    sock = os.path.join(run_dir, "hisparsed.sock")
+    made_shm = shm is None
+    if shm is None:
+        shm = tempfile.mkdtemp(prefix="hisparse-test-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
     proc = subprocess.Popen([os.path.join(venv_bin, "hisparsed"), "--socket", sock, "--shm-dir", shm,
                              "--capacity", "16MiB"], env=clean_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -50,7 +52,8 @@ def staged_daemon_answers(venv_bin: str, tmp_path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(15)
-        shutil.rmtree(shm, ignore_errors=True)
+        if made_shm:
+            shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -70,18 +73,22 @@ def test_install_into_a_temporary_root_then_uninstall(tmp_path):
     assert (root / "etc/hisparse/hisparsed.toml").read_text() == \
         open(os.path.join(REPO, "systemd/hisparsed.toml")).read()
     assert os.readlink(root / "usr/local/bin/hisparsectl") == "/opt/hisparse/venv/bin/hisparsectl"
-    staged_daemon_answers(str(root / "opt/hisparse/venv/bin"), tmp_path)
 
     # the tmpfiles entry, applied to the staged root with its own users
     tmpfiles = shutil.which("systemd-tmpfiles")
+    run_dir, shm_dir = str(tmp_path / "run"), None
     if tmpfiles is not None:
         (root / "etc/passwd").write_text("root:x:0:0::/root:/bin/sh\nhisparse:x:990:990::/nonexistent:/usr/sbin/nologin\n")
         (root / "etc/group").write_text("root:x:0:\nhisparse:x:990:\n")
         r = run(tmpfiles, f"--root={root}", "--create", "hisparse.conf")  # found under the root
         assert r.returncode == 0, r.stderr
-        shm = os.stat(root / "dev/shm/hisparse")
-        assert stat.S_IMODE(shm.st_mode) == 0o2770 and shm.st_gid == 990
-        assert stat.S_IMODE(os.stat(root / "run/hisparsed").st_mode) == 0o750
+        for made in ("run/hisparsed", "dev/shm/hisparse"):
+            st = os.stat(root / made)
+            assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o750, 990, 990), made
+            os.chown(root / made, os.geteuid(), 990)  # the daemon runs as their owner: here, this user
+        run_dir, shm_dir = str(root / "run/hisparsed"), str(root / "dev/shm/hisparse")
+    # the staged venv's daemon serves from what tmpfiles made (it refuses unsafe directories)
+    staged_daemon_answers(str(root / "opt/hisparse/venv/bin"), run_dir, shm_dir)
 
     # a second install keeps an edited config and puts the shipped one beside it
     (root / "etc/hisparse/hisparsed.toml").write_text('capacity = "1TiB"\n')
