@@ -152,16 +152,21 @@ def test_client_follows_the_lease_the_daemon_grants(daemon_factory, tmp_path):
     from hisparse import client
 
     cfg = tmp_path / "h.toml"
-    cfg.write_text("lease_ttl = 6\n")
+    cfg.write_text("lease_ttl = 3\n")
     d = daemon_factory(extra=("--config", str(cfg)))
     with client.attach("lease", LAYOUT, socket=d.socket, capacity=192 * 8) as cl:
-        assert cl.session.lease_ttl_s == 6.0
-        cfg.write_text("lease_ttl = 1.5\n")
+        assert cl.session.lease_ttl_s == 3.0
+        cfg.write_text("lease_ttl = 1.2\n")
         d.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 15
-        while cl.session.lease_ttl_s != 1.5:
+        while cl.session.lease_ttl_s != 1.2:
             assert time.monotonic() < deadline, "the client never adopted the new lease"
             time.sleep(0.05)
+        # learned from a heartbeat reply, not by losing the session to the shorter lease
+        assert cl.counters["reconnects"] == 0
+        session = cl.session
+        time.sleep(2 * 1.2)  # two new leases: the heartbeat keeps the session at the new pace
+        assert cl.session is session and cl.counters["reconnects"] == 0
 
 
 def test_every_client_number_is_range_checked(hisparsed, raw):
