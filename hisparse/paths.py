@@ -64,7 +64,34 @@ def default_socket_path() -> str:
         return from_env
     if os.path.exists(SYSTEM_SOCKET):
         return SYSTEM_SOCKET
-    return embedded_socket_path()
+    path = embedded_socket_path()
+    problem = unsafe_directory(os.path.dirname(path))
+    if problem:
+        from hisparse.errors import PermissionDenied
+
+        raise PermissionDenied(f"{os.path.dirname(path)} {problem}: another user could stand in for "
+                               "hisparsed there; remove it, or set HISPARSE_SOCKET")
+    return path
+
+
+def unsafe_directory(directory: str) -> str | None:
+    """Why a per-user socket directory may not be trusted, or None (also when it does not exist).
+
+    Trusted: a real directory owned by this user or root that no one else may write.
+    """
+    import stat
+
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"is owned by uid {st.st_uid}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
 
 
 def read_access_key(socket_path: str, namespace: str) -> str | None:

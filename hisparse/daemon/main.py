@@ -159,6 +159,8 @@ async def _announce_ready(endpoint: str, socket_path: str) -> None:
 
 
 def run(cfg: config_mod.Config) -> int:
+    # First the socket's directory: meta/, fences/ and the token go beside it.
+    trust.private_dir(os.path.dirname(cfg.socket), "socket directory", allow_root_owner=True)
     lock_fd = _lock_state_dir(cfg)
     os.makedirs(cfg.shm_dir, exist_ok=True)
     trust.shared_dir(cfg.shm_dir, "shm_dir")
