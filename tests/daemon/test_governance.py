@@ -195,3 +195,19 @@ def test_every_client_number_is_range_checked(hisparsed, raw):
 def test_start_warns_when_capacity_exceeds_free_shared_memory(daemon_factory):
     d = daemon_factory(capacity="1PiB")
     assert "has only" in d.log() and "lower --capacity" in d.log()
+
+
+def test_a_region_that_cannot_be_allocated_is_logged_refused_and_uncharged(daemon_factory, raw):
+    import resource
+
+    d = daemon_factory()
+    # the daemon may write no file over 1 MiB: allocating a 4 MiB region fails (EFBIG)
+    resource.prlimit(d.pid, resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    c = raw(d, None)
+    reply = c.request(Op.HELLO, namespace="big", layout=LAYOUT, capacity_bytes=4 << 20)
+    assert reply.error_code == ErrorCode.CAPACITY.value and "could not be created" in reply.error_message
+    assert "region of namespace 'big'" in d.log() and "not allocated" in d.log()
+    c.hello()
+    assert c.call(Op.STATS)["daemon"]["allocated_bytes"] == 0, "the failed namespace is not charged"
+    assert raw(d, "small", 192 * 8).hello_reply["region"]["num_pages"] == 8
+    assert d.proc.poll() is None
