@@ -293,7 +293,7 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
     daemon.update(ctx.transport_stats())
     body: dict[str, Any] = {"daemon": daemon, "namespaces": namespaces}
     if session.namespace is None:  # hisparsectl: who holds what, stalled ones included
-        body["sessions"] = _session_rows(ctx)
+        body["sessions"] = [row for row in _session_rows(ctx) if row["namespace"] in namespaces]
     return body
 
 

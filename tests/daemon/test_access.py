@@ -133,6 +133,15 @@ def test_only_members_of_a_namespaces_group_attach_see_or_map_it(shared_daemon, 
     assert other["ok"]["refused"].startswith(f"[{ErrorCode.PERMISSION_DENIED.value}]"), other
     assert f"restricted to group '{GROUP}'" in other["ok"]["refused"]
     assert as_user([0], lambda: _steal_region(os.path.join(d.shm_dir, secret_region))) == {"ok": "denied"}
+    # an admin session without the token sees neither the namespace nor its sessions
+    plain = RawClient(d.socket)
+    try:
+        plain.hello()
+        stats = plain.call(Op.STATS)
+        assert "secret" not in stats["namespaces"]
+        assert all(row["namespace"] != "secret" for row in stats["sessions"])
+    finally:
+        plain.close()
     # the admin (hisparsectl with the token) sees every namespace
     r = subprocess.run([sys.executable, "-m", "hisparse.ctl", "--socket", d.socket, "stats", "--json"],
                        capture_output=True, text=True, timeout=30)
