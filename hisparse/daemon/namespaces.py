@@ -230,8 +230,11 @@ class Registry:
         if os.path.lexists(table_path) and not trust.unlink_own(table_path):
             raise InvalidArgument(f"{table_path} is in the way and is not hisparsed's: remove it")
         try:
-            create_file(region_path, geometry.size_bytes)
-            give_to_group(region_path, self.gid_for(name))
+            gid = self.gid_for(name)
+            # A restricted namespace's region is private until it is its group's:
+            # no one of the daemon's group may open it in between and keep the fd.
+            create_file(region_path, geometry.size_bytes, mode=0o600 if gid is not None else 0o660)
+            give_to_group(region_path, gid)
         except Exception as exc:
             log.error("region of namespace %r (%s) not allocated in %s: %s", name,
                       format_size(geometry.size_bytes), self.config.shm_dir, exc)
