@@ -164,7 +164,10 @@ class Registry:
             if work.exception() is not None:
                 future.set_exception(work.exception())
                 return
-            future.set_result(self._register(name, layout, work.result(), cost))
+            try:
+                future.set_result(self._register(name, layout, work.result(), cost))
+            except Exception as exc:  # every attacher gets an answer, whatever happened
+                future.set_exception(exc)
 
         work.add_done_callback(done)
         return future
