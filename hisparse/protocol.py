@@ -39,7 +39,8 @@ from hisparse.layout import MAX_SIZE_BYTES, KVLayout, parse_size
 VERSION = 2  # 2: fences, unpin by page, sessions bound to their connection
 
 MAX_FRAME_BYTES = 8 << 20  # a larger frame is refused before it is decoded
-MAX_KEYS_PER_REQUEST = 65_536  # a 64K-token prompt at block size 1; 4M tokens at 64
+MAX_KEYS_PER_REQUEST = 16_384  # 1M tokens at block size 64; clients split longer chains. Small enough
+# that one request costs the loop a few ms (what a flooding peer may delay others by)
 MIN_KEY_BYTES = 1
 MAX_KEY_BYTES = 64  # vLLM's OffloadKey is 36 bytes (32-byte hash + 4-byte group)
 MAX_NAMESPACE_CHARS = 256

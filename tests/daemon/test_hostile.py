@@ -32,9 +32,9 @@ from hostile import (  # noqa: E402
 )
 
 # Bounds, each several times what benchmarks/hostile.py measures on a busy
-# 2-core machine (ping p99 ~40 ms, +60 MiB under 3+1 flooders).
+# 2-core machine (ping p99 12-42 ms, +16 MiB under 3+1 flooders).
 FLOOD_PING_P99_S = 1.0
-FLOOD_EXTRA_RSS_BYTES = 256 << 20
+FLOOD_EXTRA_RSS_BYTES = 128 << 20
 OVERSIZED_EXTRA_RSS_BYTES = 64 << 20
 
 
@@ -156,7 +156,7 @@ def test_keys_and_events_replies_are_bounded(daemon_factory):
         assert c.call(Op.CLEAR, namespace="many", token=token)["freed_pages"] == n
         assert c.call(Op.EVENTS, after=seq)["reset"] is True
         assert c.call(Op.KEYS, cursor=0)["keys"] == []
-        assert c.call(Op.LOOKUP, keys=keys) == {"count": 0}
+        assert c.call(Op.LOOKUP, keys=keys[:10_000]) == {"count": 0}
         assert len(c.call(Op.RESERVE, keys=keys[:10])["slots"]) == 10
     finally:
         c.close()
