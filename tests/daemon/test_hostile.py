@@ -179,12 +179,12 @@ def test_replies_are_not_kept_for_a_peer_that_stops_reading_or_leaves(daemon_fac
     layout = KVLayout(1, 1, 64)
     c = RawClient(d.socket, timeout_s=30)
     try:
-        c.hello("many", layout, capacity_bytes=64 * 20_000)
-        keys = keys_for("many", 20_000)
+        c.hello("many", layout, capacity_bytes=64 * 10_000)
+        keys = keys_for("many", 10_000)
         for start in range(0, len(keys), 5000):
             c.call(Op.RESERVE, keys=keys[start:start + 5000])
             c.call(Op.COMMIT, keys=keys[start:start + 5000])
-        # a peer of the same namespace asks for ~700 KB replies and never reads one
+        # a peer of the same namespace asks for ~400 KB replies and never reads one
         greedy = zmq.Context.instance().socket(zmq.DEALER)
         greedy.setsockopt(zmq.LINGER, 0)
         greedy.setsockopt(zmq.RCVHWM, 1)
@@ -193,7 +193,7 @@ def test_replies_are_not_kept_for_a_peer_that_stops_reading_or_leaves(daemon_fac
         greedy.send(protocol.encode_request(Op.HELLO, 1, namespace="many", layout=layout, client="greedy"))
         assert greedy.poll(10_000)
         session = protocol.decode_reply(greedy.recv()).result()["session"]
-        for i in range(120):
+        for i in range(100):
             greedy.send(protocol.encode_request(Op.KEYS, 2 + i, session=session, cursor=0,
                                                 limit=protocol.MAX_EVENTS_PER_REPLY))
         c.call(Op.PING)  # served in turn with the greedy peer's requests
