@@ -39,9 +39,10 @@ class Control:
     dropped); this class only adds the admin session.
     """
 
-    def __init__(self, socket_path: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, socket_path: str, timeout_s: float = 5.0, token: str | None = None) -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
+        self.token = token  # shown at hello: stats then list group-restricted namespaces too
         self._transport = Transport(os.path.abspath(socket_path))
         self.session: int | None = None
 
@@ -57,7 +58,8 @@ class Control:
     def _call(self, op: protocol.Op, **fields: Any) -> dict[str, Any]:
         if op not in protocol.SESSIONLESS_OPS:
             if self.session is None:
-                self.session = self._call(protocol.Op.HELLO, client=f"hisparsectl pid {os.getpid()}")["session"]
+                self.session = self._call(protocol.Op.HELLO, client=f"hisparsectl pid {os.getpid()}",
+                                          token=self.token)["session"]
             fields["session"] = self.session
         try:
             return self._transport.call(op, self.timeout_s, **fields)
@@ -209,7 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     socket_path = args.socket or default_socket_path()
     try:
         check_socket(socket_path)
-        ctl = Control(socket_path, args.timeout)
+    except HisparseError as exc:
+        print(f"hisparsectl: {exc}", file=sys.stderr)
+        return exit_code(exc)
+    try:  # the daemon's user and root see every namespace; others the open ones
+        quiet_token: str | None = read_token(socket_path, args.token_file)
+    except HisparseError:
+        quiet_token = None
+    try:
+        ctl = Control(socket_path, args.timeout, quiet_token)
     except HisparseError as exc:
         print(f"hisparsectl: {exc}", file=sys.stderr)
         return exit_code(exc)

@@ -41,6 +41,7 @@ from hisparse.client.transport import Transport, default_socket_path
 from hisparse.extras import require
 from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired, ProtocolError, Timeout
 from hisparse.layout import KVLayout, parse_size
+from hisparse.paths import read_access_key
 from hisparse.protocol import MAX_KEYS_PER_REQUEST, SLOT_BUSY, Op
 from hisparse.shm.fence import fence_dir_for
 from hisparse.shm.region import RegionMap
@@ -134,7 +135,8 @@ class Client:
     def _hello(self) -> ClientSession:
         body = self._transport.call(Op.HELLO, self.timeout_s, namespace=self.namespace,
                                     layout=self.layout, capacity_bytes=self._capacity_bytes,
-                                    client=self._name)
+                                    client=self._name,
+                                    access_key=read_access_key(self.socket_path, self.namespace))
         for warning in body.get("warnings") or ():
             log.warning("hisparsed: %s", warning)
         name = body.get("fence")
@@ -398,8 +400,17 @@ class Client:
 
     def pin(self, keys: list[bytes]) -> Pin:
         """Pin the committed prefix of ``keys``; use as ``with c.pin(keys) as p:``."""
-        session, pinned, page_ids = self._pin_prefix(list(keys))
-        return Pin(self, session, pinned, page_ids.tolist())
+        keys = list(keys)
+        for attempt in range(LOST_SESSION_RETRIES + 1):
+            session, pinned, page_ids = self._pin_prefix(keys)
+            try:
+                return Pin(self, session, pinned, page_ids.tolist())
+            except LeaseExpired:
+                # Another thread re-attached and let the session's fence go in
+                # between: those pins are lost with it. Pin again.
+                if attempt == LOST_SESSION_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
 
     def _pin_prefix(self, keys: list[bytes]) -> tuple[ClientSession, list[bytes], np.ndarray]:
         """Pin the committed prefix, all under one session: (session, keys pinned, page ids)."""

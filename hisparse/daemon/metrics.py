@@ -1,7 +1,8 @@
 """The Prometheus endpoint: what the daemon knows, in ``prometheus_client``'s text format.
 
-Served on ``metrics_address`` (a unix socket path, or ``HOST:PORT``) by a
-small HTTP responder on the daemon's own event loop. A scrape costs the loop
+Served on ``metrics_address`` (a unix socket path, mode 0600, or
+``HOST:PORT``) by a small HTTP responder on the daemon's own event loop. It
+is an operator's view: every namespace shows, group-restricted ones too. A scrape costs the loop
 one snapshot (the ``stats`` reply's numbers plus a copy of ``OpStats``: no
 per-page work); the exposition text is rendered in a worker thread from that
 frozen copy, so neither rendering nor a slow scraper holds up a request.
@@ -216,7 +217,8 @@ class MetricsServer:
         if isinstance(target, str):
             _claim_unix_path(target)
             self._server = await asyncio.start_unix_server(self._serve_one, target)
-            os.chmod(target, 0o660)
+            # every namespace shows, group-restricted ones too: the daemon's user (and root) only
+            os.chmod(target, 0o600)
         else:
             self._server = await asyncio.start_server(self._serve_one, target[0], target[1])
         log.info("metrics on %s", self.address)

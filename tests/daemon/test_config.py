@@ -96,3 +96,13 @@ def test_a_metrics_socket_path_too_long_for_unix_sockets(tmp_path):
     assert config.build(env={}, flags={"socket": deep}).metrics_endpoint == ""
     with pytest.raises(ConfigError, match="longer than a unix socket path"):
         config.build(env={}, flags={"metrics_address": "/tmp/" + "m" * 110 + ".sock"})
+
+
+def test_the_example_documents_every_key():
+    import re
+
+    text = open(EXAMPLE).read()
+    for key in [*config._KEYS, "group"]:
+        assert re.search(rf"^(# )?{key} = ", text, re.M), f"{EXAMPLE} does not document {key}"
+    cfg = config.build(EXAMPLE, env={})
+    assert cfg.session_pin_share == 0.5 and cfg.session_reserve_share == 0.5

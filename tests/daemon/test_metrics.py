@@ -7,6 +7,7 @@ counters are checked against what the workload did.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -210,3 +211,29 @@ def test_a_scraper_that_stalls_holds_up_nobody(daemon_factory):
     finally:
         for s in stalled:
             s.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("groupadd") is None,
+                    reason="a group-restricted namespace needs root and groupadd (CI has both)")
+def test_the_metrics_socket_is_the_operators_view(daemon_factory, tmp_path):
+    import stat
+
+    from hisparse.paths import read_access_key
+    from tests.rawclient import RawClient, keys_for
+
+    group = "hsp-test-metrics"
+    subprocess.run(["groupadd", "-f", group], check=True, capture_output=True)
+    cfg = tmp_path / "restricted.toml"
+    cfg.write_text(f'[namespaces."secret"]\ngroup = "{group}"\ncapacity = 12288\n')
+    d = daemon_factory(extra=("--config", str(cfg)))
+    address = os.path.join(os.path.dirname(d.socket), "hisparsed.metrics.sock")
+    assert stat.S_IMODE(os.stat(address).st_mode) == 0o600  # the daemon's user and root only
+    c = RawClient(d.socket)
+    try:
+        c.hello("secret", hisparse.KVLayout(3, 4, 16), access_key=read_access_key(d.socket, "secret"))
+        c.store(keys_for("s", 2), [b"s" * 192, b"t" * 192])
+        snap = samples(scrape(address))
+    finally:
+        c.close()
+    # hidden from other tenants' stats, shown to the operator's scrape
+    assert value(snap, "hisparse_stored_pages_total", namespace="secret") == 2
