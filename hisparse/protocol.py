@@ -59,6 +59,7 @@ class Op(str, enum.Enum):
     CLEAR = "clear"  # admin: drop every committed page of one namespace
     SHUTDOWN = "shutdown"  # admin: stop the daemon as SIGTERM would
     BYE = "bye"  # close the session now, releasing everything it holds
+    PUBLISH = "publish"  # commit reservations under new keys (vLLM HiSparse: a block's hash comes late)
 
 
 # The ``ok`` body of each op's reply. Every field is listed here; the daemon's
@@ -92,6 +93,8 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
     Op.CLEAR: {"freed_pages": "int", "doomed_pages": "int: pinned now, freed on their last unpin"},
     Op.SHUTDOWN: {},
     Op.BYE: {},
+    Op.PUBLISH: {"pages": "list[int], one per key: the page now committed under as_keys[i], or -1 "
+                          "when as_keys[i] was already taken (that reservation stays held under keys[i])"},
 }
 
 SESSIONLESS_OPS = frozenset({Op.HELLO, Op.PING})
@@ -201,6 +204,15 @@ class KeysRequest(Request):
 
 
 @dataclass(frozen=True)
+class PublishRequest(Request):
+    """publish: reservations held under ``keys`` become committed pages under ``as_keys``."""
+
+    keys: tuple[bytes, ...]
+    as_keys: tuple[bytes, ...]
+    pin: bool  # the session also pins each published page (it is still reading it)
+
+
+@dataclass(frozen=True)
 class SessionRequest(Request):
     """heartbeat, stats, bye."""
 
@@ -245,17 +257,17 @@ def _tname(types: tuple[type, ...]) -> str:
     return " or ".join(t.__name__ for t in types)
 
 
-def _keys(msg: dict[str, Any]) -> tuple[bytes, ...]:
-    raw = _field(msg, _KEYS, (list,))
+def _keys(msg: dict[str, Any], name: str = _KEYS) -> tuple[bytes, ...]:
+    raw = _field(msg, name, (list,))
     if len(raw) > MAX_KEYS_PER_REQUEST:
         raise WireError(ErrorCode.INVALID_ARGUMENT,
                         f"{len(raw)} keys in one request; the limit is {MAX_KEYS_PER_REQUEST}")
     for i, key in enumerate(raw):
         if not isinstance(key, bytes):
-            raise WireError(ErrorCode.PROTOCOL_ERROR, f"keys[{i}] must be bytes, not {type(key).__name__}")
+            raise WireError(ErrorCode.PROTOCOL_ERROR, f"{name}[{i}] must be bytes, not {type(key).__name__}")
         if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
             raise WireError(ErrorCode.INVALID_ARGUMENT,
-                            f"keys[{i}] is {len(key)} bytes; keys are {MIN_KEY_BYTES}-{MAX_KEY_BYTES} bytes")
+                            f"{name}[{i}] is {len(key)} bytes; keys are {MIN_KEY_BYTES}-{MAX_KEY_BYTES} bytes")
     return tuple(raw)
 
 
@@ -330,6 +342,13 @@ def decode_request(frame: bytes) -> Request:
     if op in _KEY_OPS:
         missing_ok = _field(msg, "missing_ok", (bool,), optional=True) if op is Op.ABORT else None
         return KeysRequest(op, rid, session, _keys(msg), bool(missing_ok))
+    if op is Op.PUBLISH:
+        keys, as_keys = _keys(msg), _keys(msg, "as_keys")
+        if len(keys) != len(as_keys):
+            raise WireError(ErrorCode.INVALID_ARGUMENT,
+                            f"publish: {len(keys)} keys but {len(as_keys)} as_keys")
+        return PublishRequest(op, rid, session, keys, as_keys,
+                              bool(_field(msg, "pin", (bool,), optional=True)))
     if op is Op.EVENTS:
         return EventsRequest(op, rid, session, _field(msg, "after", (int,)), _limit(msg))
     if op is Op.KEYS:
@@ -377,7 +396,7 @@ def encode_request(op: Op, rid: int, **fields: Any) -> bytes:
             continue
         if isinstance(value, KVLayout):
             value = value.to_wire()
-        elif name == _KEYS:
+        elif name in (_KEYS, "as_keys"):
             value = list(value)
         msg[name] = value
     return msgpack.packb(msg, use_bin_type=True)

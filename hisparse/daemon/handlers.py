@@ -31,6 +31,7 @@ from hisparse.protocol import (
     KeysPageRequest,
     KeysRequest,
     Op,
+    PublishRequest,
     Request,
     WireError,
 )
@@ -174,6 +175,37 @@ def handle_unpin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict
     return {"unpinned": len(req.keys)}
 
 
+def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) -> dict[str, Any]:
+    """Commit reservations under the keys their bytes turned out to have.
+
+    vLLM's HiSparse host pool hands a block out before its tokens exist, so
+    the reservation's key is a placeholder and the block hash comes at
+    publication. A key someone already committed (or is writing) is not
+    published twice: that reservation stays held, its page id is -1 here.
+    """
+    index = _ns(session).index
+    held = _held(session, req.keys, "publish")
+    if len(set(req.as_keys)) != len(req.as_keys):
+        raise WireError(ErrorCode.INVALID_ARGUMENT, "publish: an as_key is listed twice (nothing changed)")
+    pages: list[int] = []
+    for key, new_key, page in zip(req.keys, req.as_keys, held):
+        if new_key != key and new_key in index.keys:
+            pages.append(-1)
+            continue
+        del session.reservations[key]
+        index.rename(key, new_key, page)
+        index.commit(new_key, page)
+        if req.pin:
+            index.pin((new_key,))
+            hold = session.pins.get(new_key)
+            if hold is None:
+                session.pins[new_key] = [page, 1]
+            else:
+                hold[1] += 1
+        pages.append(page)
+    return {"pages": pages}
+
+
 def handle_heartbeat(ctx: DaemonContext, session: Session, req: Request) -> dict[str, Any]:
     return {"lease_ttl_s": ctx.sessions.lease_ttl_s}
 
@@ -262,5 +294,6 @@ HANDLERS: dict[Op, Handler] = {
     Op.CLEAR: handle_clear,
     Op.SHUTDOWN: handle_shutdown,
     Op.BYE: handle_bye,
+    Op.PUBLISH: handle_publish,
 }
 assert set(HANDLERS) == set(Op), "every op needs a handler"

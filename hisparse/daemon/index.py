@@ -220,6 +220,15 @@ class NamespaceIndex:
         self.counters.reserved_pages += new
         return slots, evicted
 
+    def rename(self, key: bytes, new_key: bytes, page: int) -> None:
+        """A WRITING page's key becomes ``new_key`` (which nobody holds); the table follows."""
+        if new_key == key:
+            return
+        del self.keys[key]
+        self.keys[new_key] = page
+        self.page_keys[page] = new_key
+        self.table.set_writing(page, new_key, self.table.generation_of(page))
+
     def commit(self, key: bytes, page: int) -> None:
         self.table.set_state(page, COMMITTED)
         self.state[page] = COMMITTED
