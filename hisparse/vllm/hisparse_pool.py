@@ -100,8 +100,10 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
         self._duplicates: set[int] = set()  # reserved pages whose hash another page holds
         self._orphans: set[int] = set()  # in use, but their session is gone: never published
         self._withheld: list[tuple[Session, int]] = []  # page 0 reservations
-        self._unpins_next: list[tuple[Session, bytes]] = []  # sent at the next flush
-        self._unpins_now: list[tuple[Session, bytes]] = []
+        self._unpins_next: list[tuple[Session, int]] = []  # (session, page), sent at the next flush
+        self._unpins_now: list[tuple[Session, int]] = []
+        self._orphan_sessions: dict[int, Session] = {}  # orphan page -> the lost session it came from
+        self._fenced: dict[int, Session] = {}  # sessions whose fence this pool keeps locked
         self._topped_up = False
         self._down_until = float("-inf")
         self.counters = dict.fromkeys(("reserve_requests", "publish_requests", "pin_requests",
@@ -169,14 +171,34 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
         if page in self._orphans:
             self._orphans.discard(page)
             self._forget_hash(block)
+            self._unfence(self._orphan_sessions.pop(page, None))
         elif page in self._reserved:
             self._duplicates.discard(page)
             self._forget_hash(block)
             self._stock.append(page)
         elif page in self._pinned:
-            session, key = self._pinned.pop(page)
-            self._unpins_next.append((session, key))
+            session, _ = self._pinned.pop(page)
+            self._unpins_next.append((session, page))
             self._forget_hash(block)
+
+    def _fence(self, session: Session) -> None:
+        """Keep the session's fence locked while its pages may be in this engine's block tables.
+
+        The client locks the current session's fence itself; this extra hold
+        outlives a daemon restart, so the old session's pages stay fenced (the
+        daemon hands them to nobody) until the last block using them is freed.
+        """
+        if id(session) not in self._fenced and getattr(session, "fence", None) is not None:
+            session.fence.acquire()
+            self._fenced[id(session)] = session
+
+    def _unfence(self, session: Session | None) -> None:
+        if session is None or id(session) not in self._fenced or self._ops.session_is_live(session):
+            return
+        if any(s is session for s in self._orphan_sessions.values()):
+            return
+        del self._fenced[id(session)]
+        session.fence.release()
 
     def _forget_hash(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
@@ -229,6 +251,7 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
             self._failed("pin", exc)
             return 0
         self.counters["pin_requests"] += 1
+        self._fence(session)
         pinned = 0
         hole = False
         for (i, key), page in zip(todo, pages):
@@ -238,7 +261,7 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
                 hole = True
                 continue
             if hole or page == NULL_PAGE or page in self._reserved or page in self._pinned:
-                self._unpins_next.append((session, key))  # past a hole, or already ours
+                self._unpins_next.append((session, page))  # past a hole, or already ours
                 continue
             block = self.blocks[page]
             assert block.ref_cnt == 0 and block.block_hash is None, block
@@ -273,8 +296,8 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
     def _drop_lookup_pins(self) -> None:
         """Lookup pins no request took by now are released (a step later)."""
         for page in self._lookup:
-            session, key = self._pinned.pop(page)
-            self._unpins_next.append((session, key))
+            session, _ = self._pinned.pop(page)
+            self._unpins_next.append((session, page))
             self._forget_hash(self.blocks[page])
         self._lookup.clear()
 
@@ -318,12 +341,12 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
 
     def _send_unpins(self) -> None:
         ready, self._unpins_now, self._unpins_next = self._unpins_now, self._unpins_next, []
-        by_session: dict[int, tuple[Session, list[bytes]]] = {}
-        for session, key in ready:
-            by_session.setdefault(id(session), (session, []))[1].append(key)
-        for index, (session, keys) in enumerate(by_session.values()):
+        by_session: dict[int, tuple[Session, list[int]]] = {}
+        for session, page in ready:
+            by_session.setdefault(id(session), (session, []))[1].append(page)
+        for index, (session, pages) in enumerate(by_session.values()):
             try:
-                self._ops.unpin(session, keys[::-1])  # tail first: a prefix's head is evicted last
+                self._ops.unpin(session, pages[::-1])  # tail first: a prefix's head is evicted last
             except (LeaseExpired, InvalidArgument):
                 pass  # released with the session
             except HisparseError:
@@ -356,6 +379,7 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
             self._failed("reserve", exc)
             return
         self.counters["reserve_requests"] += 1
+        self._fence(session)
         for key, slot in zip(keys, slots):
             if slot < 0:
                 continue  # placeholders are unique: cannot happen
@@ -383,16 +407,20 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
                 del self._pinned[page]
                 if self.blocks[page].ref_cnt > 0:
                     self._orphans.add(page)
+                    self._orphan_sessions[page] = session
                 else:
                     self._forget_hash(self.blocks[page])
         self._withheld = [(s, p) for s, p in self._withheld if live(s)]
+        for session in list(self._fenced.values()):
+            self._unfence(session)
         self._unpins_now = [(s, k) for s, k in self._unpins_now if live(s)]
         self._unpins_next = [(s, k) for s, k in self._unpins_next if live(s)]
 
     def _orphan(self, pages: list[int]) -> None:
         stock = set(self._stock)
         for page in pages:
-            self._reserved.pop(page, None)
+            held = self._reserved.pop(page, None)
+            session = held[0] if held is not None else None
             self._to_publish.pop(page, None)
             self._duplicates.discard(page)
             block = self.blocks[page]
@@ -400,6 +428,8 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
                 stock.discard(page)
             elif block.ref_cnt > 0:
                 self._orphans.add(page)
+                if session is not None:
+                    self._orphan_sessions[page] = session
                 self.counters["orphaned"] += 1
             else:
                 self._forget_hash(block)
