@@ -355,7 +355,7 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
                 raise
 
     def _trim_stock(self) -> None:
-        surplus = len(self._stock) - 4 * self.step_blocks
+        surplus = len(self._stock) - 2 * self.step_blocks
         if surplus <= 0:
             return
         pages, self._stock = self._stock[:surplus], self._stock[surplus:]

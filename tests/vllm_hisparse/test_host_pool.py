@@ -1,0 +1,149 @@
+"""vLLM HiSparse's host pool on one hisparsed namespace: vLLM's real scheduler classes, a real daemon.
+
+Geometry everywhere: 2 MLA layers, 4-token blocks, 16-byte rows (one page
+is 128 B); ``num_host_blocks`` pages in the region.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hisparse.vllm.host_region import GeometryMismatch
+from hisparse.vllm.versions import TESTED_VLLM_VERSIONS, UnsupportedVllmVersion, check_vllm_version
+from tests.vllm_hisparse.engine import SchedulerSide
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPT = list(range(100, 124))  # 24 tokens: 6 blocks; a hit stops at 20 (the last token is recomputed)
+
+
+def run_engine(socket: str, tmp_path, name: str, requests: list[dict], **plan) -> dict:
+    """One engine in its own process (tests/vllm_hisparse/engine.py); its report."""
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"name": name, "requests": requests, **plan}))
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-m", "tests.vllm_hisparse.engine", socket, str(path)],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-4000:]
+    done = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"done"')]
+    assert done, out.stdout[-2000:]
+    return done[0]["done"]
+
+
+def test_engines_in_two_processes_share_host_prefix_and_restart_finds_it(hisparsed, tmp_path):
+    # engine A publishes a prompt's host blocks and exits
+    a = run_engine(hisparsed.socket, tmp_path, "A", [{"id": "a1", "tokens": PROMPT}])
+    (a1,) = a["requests"]
+    assert a1["hit"] == 0 and a["counters"]["published"] == 6
+    # engine B, another process: its host prefix lookup finds A's blocks, and the
+    # bytes under B's host block table are the ones A's "worker" wrote
+    b = run_engine(hisparsed.socket, tmp_path, "B", [{"id": "b1", "tokens": PROMPT}])
+    (b1,) = b["requests"]
+    assert b["namespace"] == a["namespace"]
+    assert b1["hit"] == 20 and b1["hit_bytes_ok"]
+    assert b1["pages"][:5] == a1["pages"][:5]
+    assert b["counters"]["pin_requests"] == 1  # one pin for the whole prefix, not one per block
+    # engine A again ("restarted"): its host prefix is still there
+    again = run_engine(hisparsed.socket, tmp_path, "A2", [{"id": "a2", "tokens": PROMPT}])
+    assert again["requests"][0]["hit"] == 20 and again["requests"][0]["hit_bytes_ok"]
+
+
+@pytest.fixture
+def sides(hisparsed):
+    made: list[SchedulerSide] = []
+
+    def make(**kw) -> SchedulerSide:
+        side = SchedulerSide(hisparsed.socket, **kw)
+        made.append(side)
+        return side
+
+    yield make
+    for side in made:
+        side.close()
+
+
+def test_capacity_is_shared_and_held_pages_are_never_taken(sides):
+    # 64-page region. step_blocks is what one scheduler step may allocate: B
+    # (short prompts) keeps a small stock, A (a long prompt in one step) a large one
+    b = sides(num_host_blocks=64, step_blocks=6, name="B")
+    a = sides(num_host_blocks=64, step_blocks=34, name="A")
+    held = b.add("b-held", list(range(1000, 1024)))
+    assert b.admit(held) == 0
+    b.write(held)
+    b.publish(held)
+    b.step()
+    b.step()  # B keeps no more than two steps of stock: the rest goes back to the daemon
+    assert b.pool.held_pages <= 6 + 2 * 6
+    long = a.add("a-long", list(range(5000, 5000 + 4 * 34)))  # 34 blocks: more than half the region
+    assert a.admit(long) == 0
+    a.write(long)
+    a.publish(long)
+    a.step()
+    assert not set(a.host_blocks(long)) & set(b.host_blocks(held))
+    assert 0 not in a.host_blocks(long) + b.host_blocks(held)  # page 0 is the null block
+    assert b.read_ok(held, 24) and a.read_ok(long, 4 * 34)
+    # more than the region has left does not fit (admission says so) and takes nothing B holds
+    too_long = a.add("a-too-long", list(range(9000, 9000 + 4 * 30)))
+    assert a.admit(too_long) is None
+    assert b.read_ok(held, 24)
+    # once A's first request is done its published pages are evictable: the next one fits
+    a.finish(long)
+    a.step()
+    a.step()
+    assert a.admit(too_long) == 0
+    a.write(too_long)
+    assert b.read_ok(held, 24) and a.read_ok(too_long, 4 * 30)
+
+
+def test_daemon_outage_and_restart_mid_run_fail_no_request(daemon_factory):
+    daemon = daemon_factory(lease_ttl=1)
+    side = SchedulerSide(daemon.socket, num_host_blocks=32, step_blocks=4)
+    try:
+        running = side.add("running", PROMPT)
+        assert side.admit(running) == 0
+        side.write(running)
+        side.step()
+        # outage: the daemon is gone; steps keep going, new blocks come from the stock
+        daemon.kill()
+        side.publish(running)
+        side.step()
+        short = side.add("during-outage", list(range(300, 306)))
+        assert side.admit(short) == 0
+        side.write(short)
+        side.publish(short)
+        side.step()
+        # the daemon comes back (a new run: every session is gone); nothing fails,
+        # blocks in use stay in use, new requests get fresh pages
+        daemon.start()
+        for _ in range(3):
+            side.pool._down_until = float("-inf")  # skip the back-off instead of sleeping it out
+            side.step()
+        assert side.read_ok(running, 24)
+        side.finish(running)
+        side.finish(short)
+        side.step()
+        after = side.add("after", list(range(600, 624)))
+        assert side.admit(after) is not None
+        side.write(after)
+        side.publish(after)
+        side.step()
+        assert side.pool.counters["published"] >= 6
+        assert side.read_ok(after, 24)
+    finally:
+        side.close()
+
+
+def test_geometry_check_refuses_a_region_of_another_size(sides):
+    sides(num_host_blocks=16)
+    with pytest.raises(GeometryMismatch, match="host_pool_gib"):
+        sides(num_host_blocks=20)
+
+
+def test_version_pin_names_the_tested_versions():
+    assert check_vllm_version() in TESTED_VLLM_VERSIONS
+    with pytest.raises(UnsupportedVllmVersion, match="0.34.0"):
+        check_vllm_version("0.35.0")
