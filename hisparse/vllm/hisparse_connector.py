@@ -25,15 +25,20 @@ Extra config keys besides vLLM's ``host_pool_gib``: ``socket``,
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, fields
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
     HiSparseConnector as VllmHiSparseConnector,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
+    HiSparseConnectorMetadata,
+)
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
 
 from hisparse.vllm.config import AdapterConfig
+from hisparse.vllm.fences import WorkerFences
 from hisparse.vllm.host_region import (
     HostGeometry,
     check_geometry,
@@ -44,6 +49,13 @@ from hisparse.vllm.rpc import NamespaceOps
 from hisparse.vllm.versions import check_vllm_version
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class HiSparsePoolMetadata(HiSparseConnectorMetadata):
+    """vLLM's step metadata plus the fence files whose pages the step may touch."""
+
+    fence_paths: tuple[str, ...] = ()
 
 
 def region_info(client: Any) -> dict[str, int]:
@@ -85,6 +97,7 @@ class HiSparseConnector(VllmHiSparseConnector):
             tp_size=vllm_config.parallel_config.tensor_parallel_size)
         self.host_pool: Any = None
         self._client: Any = None
+        self._worker_fences = WorkerFences()
         if role == KVConnectorRole.WORKER:
             self._install_worker_pool(vllm_config, kv_cache_config)
         log.info("hisparse HiSparse host pool: namespace %r, %d pages of %d B", self.namespace,
@@ -123,9 +136,18 @@ class HiSparseConnector(VllmHiSparseConnector):
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
-        if self.host_pool is not None:
-            self.host_pool.flush()
-        return meta
+        if self.host_pool is None:
+            return meta
+        self.host_pool.flush()
+        return HiSparsePoolMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)},
+                                    fence_paths=self.host_pool.fence_paths())
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # Before this step's kernels touch the region: its pages stay fenced even
+        # if the scheduler process dies while the step runs.
+        meta = self._get_connector_metadata()
+        self._worker_fences.update(getattr(meta, "fence_paths", ()))
+        super().start_load_kv(forward_context, **kwargs)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -133,6 +155,7 @@ class HiSparseConnector(VllmHiSparseConnector):
             self.host_pool.close()
         if self._client is not None:
             self._client.close()
+        self._worker_fences.close()
 
 
 def install_daemon_pool(manager: Any, namespace: str, geometry: HostGeometry, settings: AdapterConfig,

@@ -61,6 +61,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.hisparse.block_pool import SharedEventQueueBlockPool
 
 from hisparse.errors import DaemonUnavailable, HisparseError, InvalidArgument, LeaseExpired
+from hisparse.vllm.fences import SessionFences
 from hisparse.vllm.mirror import KeyMirror
 from hisparse.vllm.rpc import NamespaceOps, Session
 
@@ -103,7 +104,7 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
         self._unpins_next: list[tuple[Session, int]] = []  # (session, page), sent at the next flush
         self._unpins_now: list[tuple[Session, int]] = []
         self._orphan_sessions: dict[int, Session] = {}  # orphan page -> the lost session it came from
-        self._fenced: dict[int, Session] = {}  # sessions whose fence this pool keeps locked
+        self._fences = SessionFences()  # sessions whose pages may be in block tables
         self._topped_up = False
         self._down_until = float("-inf")
         self.counters = dict.fromkeys(("reserve_requests", "publish_requests", "pin_requests",
@@ -171,7 +172,7 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
         if page in self._orphans:
             self._orphans.discard(page)
             self._forget_hash(block)
-            self._unfence(self._orphan_sessions.pop(page, None))
+            self._let_go_if_unused(self._orphan_sessions.pop(page, None))
         elif page in self._reserved:
             self._duplicates.discard(page)
             self._forget_hash(block)
@@ -181,24 +182,17 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
             self._unpins_next.append((session, page))
             self._forget_hash(block)
 
-    def _fence(self, session: Session) -> None:
-        """Keep the session's fence locked while its pages may be in this engine's block tables.
-
-        The client locks the current session's fence itself; this extra hold
-        outlives a daemon restart, so the old session's pages stay fenced (the
-        daemon hands them to nobody) until the last block using them is freed.
-        """
-        if id(session) not in self._fenced and getattr(session, "fence", None) is not None:
-            session.fence.acquire()
-            self._fenced[id(session)] = session
-
-    def _unfence(self, session: Session | None) -> None:
-        if session is None or id(session) not in self._fenced or self._ops.session_is_live(session):
+    def _let_go_if_unused(self, session: Session | None) -> None:
+        """A lost session's fence goes once no block of this engine uses its pages."""
+        if session is None or self._ops.session_is_live(session):
             return
         if any(s is session for s in self._orphan_sessions.values()):
             return
-        del self._fenced[id(session)]
-        session.fence.release()
+        self._fences.let_go(session)
+
+    def fence_paths(self) -> tuple[str, ...]:
+        """The fence files a worker step must hold (``fences.WorkerFences``)."""
+        return self._fences.paths()
 
     def _forget_hash(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
@@ -251,7 +245,7 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
             self._failed("pin", exc)
             return 0
         self.counters["pin_requests"] += 1
-        self._fence(session)
+        self._fences.hold(session)
         pinned = 0
         hole = False
         for (i, key), page in zip(todo, pages):
@@ -277,6 +271,7 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
     def flush(self) -> None:
         """Send what the step queued: publishes, unpins, surplus aborts; refill the stock."""
         self._topped_up = False
+        self._fences.step()
         self._drop_lookup_pins()
         if self._clock() < self._down_until:
             return
@@ -379,7 +374,7 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
             self._failed("reserve", exc)
             return
         self.counters["reserve_requests"] += 1
-        self._fence(session)
+        self._fences.hold(session)
         for key, slot in zip(keys, slots):
             if slot < 0:
                 continue  # placeholders are unique: cannot happen
@@ -411,8 +406,8 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
                 else:
                     self._forget_hash(self.blocks[page])
         self._withheld = [(s, p) for s, p in self._withheld if live(s)]
-        for session in list(self._fenced.values()):
-            self._unfence(session)
+        for session in self._fences.held():
+            self._let_go_if_unused(session)
         self._unpins_now = [(s, k) for s, k in self._unpins_now if live(s)]
         self._unpins_next = [(s, k) for s, k in self._unpins_next if live(s)]
 
@@ -467,3 +462,4 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
     def close(self) -> None:
         """Give everything back (``bye`` releases the session's reservations and pins)."""
         self._ops.client.close()
+        self._fences.close()

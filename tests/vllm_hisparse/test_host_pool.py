@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import sys
 
 import pytest
@@ -147,3 +148,57 @@ def test_version_pin_names_the_tested_versions():
     assert check_vllm_version() in TESTED_VLLM_VERSIONS
     with pytest.raises(UnsupportedVllmVersion, match="0.34.0"):
         check_vllm_version("0.35.0")
+
+
+def never_gets(side: SchedulerSide, pages: set[int], window_s: float = 1.5) -> None:
+    """``side`` reserves all it can, over several of the daemon's reaper periods: never ``pages``."""
+    until = time.monotonic() + window_s
+    while time.monotonic() < until:
+        side.pool._refill(64)
+        assert not pages & set(side.pool._stock)
+        time.sleep(0.05)
+
+
+def test_a_lost_sessions_pages_stay_fenced_while_the_engine_or_its_worker_uses_them(daemon_factory):
+    from hisparse.vllm.fences import WorkerFences
+
+    daemon = daemon_factory(lease_ttl=1)
+    a = SchedulerSide(daemon.socket, num_host_blocks=32, step_blocks=4, name="A")
+    b = SchedulerSide(daemon.socket, num_host_blocks=32, step_blocks=4, name="B")
+    worker = WorkerFences()
+    try:
+        running = a.add("running", PROMPT)
+        assert a.admit(running) == 0
+        a.write(running)
+        a.step()
+        in_use = set(a.host_blocks(running))
+        # the daemon restarts: A's session and its reservations are gone, but the
+        # pages A's running request uses are fenced while A (and its worker) hold the fence
+        daemon.kill()
+        daemon.start()
+        for engine in (a, b):
+            engine.pool._down_until = float("-inf")
+            engine.step()
+        old_fences = set(a.pool.fence_paths())
+        # B takes everything the daemon will give, for well past the daemon's
+        # reaper period and quarantine: never a page A's request uses
+        never_gets(b, in_use)
+        assert a.read_ok(running, 24)
+        worker.update(a.pool.fence_paths())  # the worker's step holds them too
+        # A's request ends; a few steps later A lets go of the old fence, the worker still holds it
+        a.finish(running)
+        for _ in range(4):
+            a.step()
+        assert not old_fences & set(a.pool.fence_paths())
+        never_gets(b, in_use)
+        # the worker lets go too: the daemon may now reuse those pages
+        worker.close()
+        deadline = time.monotonic() + 10
+        while not in_use & set(b.pool._stock):
+            assert time.monotonic() < deadline, "the old session's pages were never freed"
+            b.pool._refill(64)
+            time.sleep(0.05)
+    finally:
+        worker.close()
+        a.close()
+        b.close()
