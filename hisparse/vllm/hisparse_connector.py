@@ -129,6 +129,7 @@ class HiSparseConnector(VllmHiSparseConnector):
         self.host_pool = install_daemon_pool(manager, self.namespace, self.geometry, self.settings,
                                              step_blocks=self._step_blocks(manager.block_size))
         pin_before_lookups(kv_cache_manager.coordinator, manager, self.host_pool)
+        reserve_before_admission(manager, self.host_pool)
 
     def _step_blocks(self, block_size: int) -> int:
         sched = self._vllm_config.scheduler_config
@@ -201,3 +202,22 @@ def pin_before_lookups(kv_coordinator: Any, manager: Any, pool: Any) -> None:
         return original(block_hashes, max_cache_hit_length)
 
     kv_coordinator.find_longest_cache_hit = find_longest_cache_hit
+
+
+def reserve_before_admission(manager: Any, pool: Any) -> None:
+    """Have the host group's admission check reserve what the allocation needs beyond the stock.
+
+    vLLM compares the blocks a request needs with ``get_num_free_blocks``;
+    the pool's stock covers one step of chunked prefill, and this covers a
+    larger allocation (a whole prompt, an import) with one reserve request.
+    """
+    original = manager.get_num_blocks_to_allocate
+    block_size = manager.block_size
+
+    def get_num_blocks_to_allocate(request_id: str, num_tokens: int, new_computed_blocks: Any,
+                                   *args: Any, **kwargs: Any) -> int:
+        held = len(manager.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
+        pool.ensure_free(-(-num_tokens // block_size) - held)
+        return original(request_id, num_tokens, new_computed_blocks, *args, **kwargs)
+
+    manager.get_num_blocks_to_allocate = get_num_blocks_to_allocate

@@ -127,6 +127,12 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
         # lookup pins no request has taken yet.
         return len(self._stock) + len(self._lookup)
 
+    def ensure_free(self, num_blocks: int) -> None:
+        """Before an admission needs ``num_blocks`` new blocks: reserve the shortfall (one request)."""
+        for _ in range(2):  # twice at most: page 0 may come back withheld
+            if num_blocks <= len(self._stock) or not self._refill(num_blocks - len(self._stock)):
+                return
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > len(self._stock):
             self._refill(num_blocks - len(self._stock) + self.step_blocks)
@@ -364,15 +370,16 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
             except (LeaseExpired, InvalidArgument):
                 pass
 
-    def _refill(self, count: int) -> None:
+    def _refill(self, count: int) -> int:
+        """Reserve up to ``count`` more pages into the stock; how many the daemon gave."""
         if count <= 0 or self._clock() < self._down_until:
-            return
+            return 0
         keys = [self._placeholder() for _ in range(count)]
         try:
             slots, _, session = self._ops.reserve(keys)
         except HisparseError as exc:
             self._failed("reserve", exc)
-            return
+            return 0
         self.counters["reserve_requests"] += 1
         self._fences.hold(session)
         for key, slot in zip(keys, slots):
@@ -383,6 +390,7 @@ class DaemonHostBlockPool(SharedEventQueueBlockPool):
                 continue
             self._reserved[slot] = (session, key)
             self._stock.append(slot)
+        return len(slots)
 
     def _placeholder(self) -> bytes:
         self._next_placeholder += 1

@@ -4,8 +4,8 @@
 minus the model config: a real ``KVCacheManager`` over a ``KVCacheConfig``
 whose groups are a host-resident HiSparse source group (MLA) and an
 indexer group, the real ``HiSparseCoordinator`` (which binds vLLM's own
-host pool), then ``hisparse_connector.install_daemon_pool`` and
-``pin_before_lookups``, the two calls our ``HiSparseConnector`` makes in
+host pool), then ``hisparse_connector.install_daemon_pool``, ``pin_before_lookups`` and
+``reserve_before_admission``, the calls our ``HiSparseConnector`` makes in
 ``bind_kv_cache_manager``. Requests are real ``vllm.v1.request.Request``
 objects hashed with vLLM's sha256 block hasher, so two processes make the
 same keys.
@@ -47,7 +47,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request, RequestStatus
 
 from hisparse.vllm.config import AdapterConfig
-from hisparse.vllm.hisparse_connector import install_daemon_pool, pin_before_lookups
+from hisparse.vllm.hisparse_connector import (
+    install_daemon_pool,
+    pin_before_lookups,
+    reserve_before_admission,
+)
 from hisparse.vllm.host_region import HostGeometry, derive_namespace
 
 BLOCK_TOKENS = 4
@@ -112,6 +116,7 @@ class SchedulerSide:
         self.pool = install_daemon_pool(self.host_manager, self.namespace, self.geometry, settings,
                                         step_blocks=self.step_blocks)
         pin_before_lookups(self.manager.coordinator, self.host_manager, self.pool)
+        reserve_before_admission(self.host_manager, self.pool)
         # Test scaffolding for a config of the source group alone (vLLM then builds
         # a UnitaryKVCacheCoordinator, which looks prefixes up in its own pool; the
         # hybrid one a real HiSparse model gets uses each group's pool), and for

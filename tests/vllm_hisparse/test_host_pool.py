@@ -68,17 +68,16 @@ def sides(hisparsed):
 
 
 def test_capacity_is_shared_and_held_pages_are_never_taken(sides):
-    # 64-page region. step_blocks is what one scheduler step may allocate: B
-    # (short prompts) keeps a small stock, A (a long prompt in one step) a large one
-    b = sides(num_host_blocks=64, step_blocks=6, name="B")
-    a = sides(num_host_blocks=64, step_blocks=34, name="A")
+    # 64-page region; each engine keeps a stock of a few blocks (two steps' worth)
+    b = sides(num_host_blocks=64, step_blocks=3, name="B")
+    a = sides(num_host_blocks=64, step_blocks=3, name="A")
     held = b.add("b-held", list(range(1000, 1024)))
     assert b.admit(held) == 0
     b.write(held)
     b.publish(held)
     b.step()
     b.step()  # B keeps no more than two steps of stock: the rest goes back to the daemon
-    assert b.pool.held_pages <= 6 + 2 * 6
+    assert b.pool.held_pages <= 6 + 2 * 3
     long = a.add("a-long", list(range(5000, 5000 + 4 * 34)))  # 34 blocks: more than half the region
     assert a.admit(long) == 0
     a.write(long)

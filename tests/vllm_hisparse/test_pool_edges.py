@@ -57,8 +57,8 @@ def test_a_block_published_twice_stays_private_and_goes_back_to_the_stock(sides)
 
 
 def test_a_page_evicted_since_the_mirror_saw_it_is_a_miss_never_a_foreign_page(sides):
-    a = sides(num_host_blocks=16, step_blocks=6, name="A")
-    b = sides(num_host_blocks=16, step_blocks=6, name="B")
+    a = sides(num_host_blocks=16, step_blocks=2, name="A")
+    b = sides(num_host_blocks=16, step_blocks=2, name="B")
     ra = a.add("ra", PROMPT)
     assert a.admit(ra) == 0
     a.write(ra)
@@ -79,7 +79,7 @@ def test_a_page_evicted_since_the_mirror_saw_it_is_a_miss_never_a_foreign_page(s
 
 
 def test_a_long_request_costs_a_few_requests_not_one_per_block(sides):
-    a = sides(num_host_blocks=256, step_blocks=60, max_model_len=1024)
+    a = sides(num_host_blocks=128, step_blocks=8, max_model_len=1024)
     long = a.add("long", list(range(5000, 5000 + 4 * 100)))  # 100 blocks
     assert a.admit(long) == 0
     a.write(long)
@@ -89,7 +89,7 @@ def test_a_long_request_costs_a_few_requests_not_one_per_block(sides):
     assert counters["published"] == 100
     assert counters["reserve_requests"] <= 3 and counters["publish_requests"] == 1
     # and a second engine's hit on all of it: one pin request
-    b = sides(num_host_blocks=256, step_blocks=60, max_model_len=1024)
+    b = sides(num_host_blocks=128, step_blocks=8, max_model_len=1024)
     again = b.add("again", list(range(5000, 5000 + 4 * 100)))
     assert b.admit(again) == 396
     assert b.pool.counters["pin_requests"] == 1 and b.pool.counters["lookup_pins"] == 99
