@@ -254,7 +254,8 @@ class DaemonHostBlockPool(StepBatches, SharedEventQueueBlockPool):
                 self._mirror.pages.pop(key, None)
                 hole = True
                 continue
-            if hole or page == NULL_PAGE or page in self._reserved or page in self._pinned:
+            if (hole or page == NULL_PAGE or page in self._reserved or page in self._pinned
+                    or page in self._orphans):
                 self._unpins_next.append((session, page))  # past a hole, or already ours
                 continue
             block = self.blocks[page]
