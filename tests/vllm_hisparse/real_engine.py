@@ -69,6 +69,9 @@ class Engine:
     model_dir: str
     host_pool_gib: float = 0.01
     extra: dict[str, Any] = field(default_factory=dict)
+    # MultiConnector[our HiSparseConnector, OffloadingConnector(HiSparseOffloadingSpec)]:
+    # the indexer group's blocks through hisparsed too (docs/vllm-hisparse.md)
+    with_indexer: bool = False
 
     def __post_init__(self) -> None:
         os.environ["HF_HUB_OFFLINE"] = "1"
@@ -87,11 +90,20 @@ class Engine:
         from vllm.v1.hisparse.layout import get_hisparse_kv_cache_groups
         from vllm.v1.structured_output import StructuredOutputManager
 
-        transfer = KVTransferConfig(
-            kv_connector="HiSparseConnector", kv_role="kv_both",
-            kv_connector_module_path="hisparse.vllm.hisparse_connector",
-            kv_connector_extra_config={"host_pool_gib": self.host_pool_gib, "socket": self.socket,
-                                       **self.extra})
+        hisparse = {"kv_connector": "HiSparseConnector", "kv_role": "kv_both",
+                    "kv_connector_module_path": "hisparse.vllm.hisparse_connector",
+                    "kv_connector_extra_config": {"host_pool_gib": self.host_pool_gib,
+                                                  "socket": self.socket, **self.extra}}
+        if self.with_indexer:
+            indexer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"spec_name": "HiSparseOffloadingSpec",
+                                                     "spec_module_path": "hisparse.vllm",
+                                                     "socket": self.socket, "capacity": "8MiB",
+                                                     "mirror_refresh_s": 0.0}}
+            transfer = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                                        kv_connector_extra_config={"connectors": [hisparse, indexer]})
+        else:
+            transfer = KVTransferConfig(**hisparse)
         vllm_config = VllmConfig(
             model_config=ModelConfig(model=self.model_dir, skip_tokenizer_init=True, max_model_len=2048),
             kv_transfer_config=transfer, device_config=DeviceConfig(device="cpu"),
@@ -109,7 +121,8 @@ class Engine:
         self.vllm_config = vllm_config
         self.scheduler = Scheduler(vllm_config, self.kv_cache_config, StructuredOutputManager(vllm_config),
                                    block_size=BLOCK_TOKENS)
-        self.connector = self.scheduler.connector
+        self.multi = self.scheduler.connector if self.with_indexer else None
+        self.connector = self.multi._connectors[0] if self.multi is not None else self.scheduler.connector
         self.pool = self.connector.host_pool
         self.coordinator = self.connector.connector_scheduler.coordinator
         self.hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
@@ -133,8 +146,10 @@ class Engine:
 
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
-        self.fence_paths = meta.fence_paths
-        transfers = meta.command.page_transfers if meta.command is not None else []
+        metas = meta.metadata if self.multi is not None else (meta,)
+        hs = metas[0]
+        self.fence_paths = hs.fence_paths
+        transfers = hs.command.page_transfers if hs.command is not None else []
         for transfer in transfers:
             self._spill(transfer)
         ids = list(out.num_scheduled_tokens)
@@ -142,10 +157,26 @@ class Engine:
         sampled = [[7] if requests[r].num_computed_tokens + out.num_scheduled_tokens[r]
                     >= requests[r].num_tokens else [] for r in ids]
         done = {t.transfer_id: 1 for t in transfers}
-        worker = HiSparseConnectorWorkerMetadata(done, done) if done else None
+        worker: Any = HiSparseConnectorWorkerMetadata(done, done) if done else None
+        recving: set[str] = set()
+        if self.multi is not None:
+            # The offloading worker's part: every store and load job of the step completes
+            # (the indexer bytes themselves are the OffloadingConnector adapter's, tested in tests/vllm).
+            from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+                MultiKVConnectorWorkerMetadata,
+            )
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+                OffloadingWorkerMetadata,
+            )
+
+            jobs = {**metas[1].load_jobs, **metas[1].store_jobs}
+            offload = OffloadingWorkerMetadata(completed_jobs={j: 1 for j in jobs}) if jobs else None
+            recving = {job.req_id for job in metas[1].load_jobs.values()}
+            worker = MultiKVConnectorWorkerMetadata((worker, offload)) if worker or offload else None
         self.scheduler.update_from_output(out, ModelRunnerOutput(
             req_ids=ids, sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=worker)))
+            kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=worker,
+                                                  finished_recving=recving or None)))
         return dict(out.num_scheduled_tokens)
 
     def run(self, max_steps: int = 50) -> None:
@@ -203,4 +234,46 @@ class Engine:
         return True
 
     def close(self) -> None:
-        self.connector.shutdown()
+        (self.multi or self.connector).shutdown()
+
+
+def run_plan(socket: str, model_dir: str, prompts: list[list[int]]) -> dict[str, Any]:
+    """One engine (MultiConnector with the indexer) in this process: serve ``prompts`` one by one.
+
+    Reports per request the prefix vLLM took from elsewhere (``external``:
+    the tokens it waited for, host pages and indexer blocks) and the tokens
+    it computed, and whether the bytes under its host blocks are its tokens'.
+    """
+    engine = Engine(socket, model_dir, with_indexer=True)
+    report: dict[str, Any] = {"requests": []}
+    try:
+        for index, tokens in enumerate(prompts):
+            request = engine.add(f"r{index}", tokens)
+            computed = external = 0
+            host_pages: list[int] = []
+            for _ in range(50):
+                if not engine.scheduler.requests:
+                    break
+                before = request.num_computed_tokens
+                scheduled = engine.step()
+                if not host_pages and request.request_id in engine.scheduler.requests:
+                    host_pages = [b.block_id for b in engine.scheduler.kv_cache_manager.get_blocks(
+                        request.request_id).blocks[engine.coordinator.host_group_id]]
+                if not scheduled.get(request.request_id) and request.num_computed_tokens > before:
+                    external += request.num_computed_tokens - before
+                computed += scheduled.get(request.request_id, 0)
+            report["requests"].append({
+                "external": external, "computed": computed, "host_pages": host_pages,
+                "bytes_ok": engine.bytes_ok(tokens, host_pages[:len(tokens) // BLOCK_TOKENS])})
+        report["counters"] = dict(engine.pool.counters)
+    finally:
+        engine.close()
+    return report
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    result = run_plan(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    print(json.dumps({"done": result}), flush=True)

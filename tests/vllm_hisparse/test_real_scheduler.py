@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("transformers.models.deepseek_v32")
@@ -11,6 +16,7 @@ from hisparse.vllm.hisparse_pool import DaemonHostBlockPool  # noqa: E402
 from tests.vllm_hisparse.real_engine import Engine, write_model_dir  # noqa: E402
 
 PROMPT = list(range(1000, 1000 + 640))  # 10 blocks of 64 tokens
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
@@ -51,10 +57,10 @@ def test_vllm_builds_our_connector_and_its_coordinator_spills_into_daemon_pages(
     assert b.pool.counters["pin_requests"] == 1
 
 
-def test_a_fresh_engines_admission_hit_is_capped_by_the_indexer_group(engines):
-    # vLLM's hit is the minimum over groups; the indexer group lives in the GPU
-    # pool, so without its blocks (docs/vllm-hisparse.md: not built) a fresh
-    # engine recomputes even though every host page is in the namespace
+def test_without_the_indexer_connector_a_fresh_engines_hit_is_capped_by_the_indexer_group(engines):
+    # vLLM's hit is the minimum over groups and the indexer group lives in the GPU
+    # pool: with HiSparseConnector alone a fresh engine recomputes even though every
+    # host page is in the namespace (hence the MultiConnector flag set)
     a = engines()
     a.add("a1", PROMPT)
     a.run()
@@ -74,3 +80,34 @@ def test_an_engine_restart_finds_its_host_prefix(engines):
     pages = again.host_lookup(PROMPT)
     assert published == 10 and len(pages) == 9 and again.bytes_ok(PROMPT, pages)
 
+
+
+def run_engine_process(socket: str, model_dir: str, prompts: list[list[int]]) -> dict:
+    """One engine (vLLM's Scheduler, MultiConnector with the indexer) in its own process."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-m", "tests.vllm_hisparse.real_engine", socket, model_dir,
+                          json.dumps(prompts)], capture_output=True, text=True, timeout=180, env=env,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith('{"done"')]
+    return json.loads(line)["done"]
+
+
+def test_two_engine_processes_share_the_host_and_indexer_prefix_and_a_restart_keeps_it(
+        hisparsed, tmp_path):
+    model_dir = write_model_dir(str(tmp_path / "tiny-deepseek-v32"))
+    # engine A computes the prompt; vLLM spills and publishes its host pages, the
+    # OffloadingConnector stores its indexer blocks, both in hisparsed
+    (a,) = run_engine_process(hisparsed.socket, model_dir, [PROMPT])["requests"]
+    assert (a["external"], a["computed"]) == (0, 641) and a["bytes_ok"]
+    # engine B, another process: vLLM's admission takes 576 tokens from elsewhere
+    # (A's host pages, pinned by our pool, and A's indexer blocks, loaded by the
+    # OffloadingConnector) and computes only the last block
+    b_report = run_engine_process(hisparsed.socket, model_dir, [PROMPT])
+    (b,) = b_report["requests"]
+    assert (b["external"], b["computed"]) == (576, 65)
+    assert b["host_pages"][:9] == a["host_pages"][:9] and b["bytes_ok"]
+    assert b_report["counters"]["pin_requests"] == 1
+    # A restarted (a new process of the same engine) finds the same prefix
+    (again,) = run_engine_process(hisparsed.socket, model_dir, [PROMPT])["requests"]
+    assert (again["external"], again["computed"]) == (576, 65) and again["bytes_ok"]
