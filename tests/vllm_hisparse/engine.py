@@ -16,16 +16,11 @@ with bytes derived from the block's tokens, so a reader can tell whose
 bytes a page holds. ``publish`` is the coordinator's publication call
 (``HiSparseSourceManager.publish_blocks``, what it runs once spills
 complete); ``step`` is ``HiSparseConnector.build_connector_meta``'s flush.
-
-Runs as a script too: ``python -m tests.vllm_hisparse.engine SOCKET PLAN.json``
-runs one engine in its own process (see ``run_plan``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,41 +185,3 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.pool.close()
-
-
-def run_plan(socket: str, plan: dict[str, Any]) -> dict[str, Any]:
-    """One engine in this process: serve ``plan["requests"]`` in turn, report what it saw.
-
-    Each request: admit (prefix lookup + allocation), check the bytes of
-    the hit, write the rest (the worker's spill), publish, step, and
-    finish unless ``keep``. Prints one JSON line per request.
-    """
-    side = SchedulerSide(socket, num_host_blocks=plan.get("num_host_blocks", 16),
-                         step_blocks=plan.get("step_blocks", 4), name=plan.get("name", "engine"))
-    report: dict[str, Any] = {"namespace": side.namespace, "requests": []}
-    try:
-        for spec in plan["requests"]:
-            request = side.add(spec["id"], spec["tokens"])
-            hit = side.admit(request)
-            entry: dict[str, Any] = {"id": spec["id"], "hit": hit}
-            if hit is not None:
-                entry["hit_bytes_ok"] = side.read_ok(request, hit)
-                entry["pages"] = side.host_blocks(request)
-                side.write(request, hit)
-                side.publish(request)
-                side.step()
-                if not spec.get("keep"):
-                    side.finish(request)
-            side.step()
-            side.step()
-            report["requests"].append(entry)
-            print(json.dumps(entry), flush=True)
-        report["counters"] = side.pool.counters
-    finally:
-        side.close()
-    return report
-
-
-if __name__ == "__main__":
-    result = run_plan(sys.argv[1], json.loads(open(sys.argv[2]).read()))
-    print(json.dumps({"done": result}), flush=True)

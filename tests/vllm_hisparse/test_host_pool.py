@@ -1,16 +1,16 @@
 """vLLM HiSparse's host pool on one hisparsed namespace: vLLM's real scheduler classes, a real daemon.
 
+Two engines in two processes, and a restart, run in test_real_scheduler.py
+(vLLM's whole Scheduler); here, in one process, the pool's behaviour under
+shared capacity, outage, restart and fencing.
+
 Geometry everywhere: 2 MLA layers, 4-token blocks, 16-byte rows (one page
 is 128 B); ``num_host_blocks`` pages in the region.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import time
-import sys
 
 import pytest
 
@@ -18,39 +18,7 @@ from hisparse.vllm.host_region import GeometryMismatch
 from hisparse.vllm.versions import TESTED_VLLM_VERSIONS, UnsupportedVllmVersion, check_vllm_version
 from tests.vllm_hisparse.engine import SchedulerSide
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = list(range(100, 124))  # 24 tokens: 6 blocks; a hit stops at 20 (the last token is recomputed)
-
-
-def run_engine(socket: str, tmp_path, name: str, requests: list[dict], **plan) -> dict:
-    """One engine in its own process (tests/vllm_hisparse/engine.py); its report."""
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps({"name": name, "requests": requests, **plan}))
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-m", "tests.vllm_hisparse.engine", socket, str(path)],
-                         capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-4000:]
-    done = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"done"')]
-    assert done, out.stdout[-2000:]
-    return done[0]["done"]
-
-
-def test_engines_in_two_processes_share_host_prefix_and_restart_finds_it(hisparsed, tmp_path):
-    # engine A publishes a prompt's host blocks and exits
-    a = run_engine(hisparsed.socket, tmp_path, "A", [{"id": "a1", "tokens": PROMPT}])
-    (a1,) = a["requests"]
-    assert a1["hit"] == 0 and a["counters"]["published"] == 6
-    # engine B, another process: its host prefix lookup finds A's blocks, and the
-    # bytes under B's host block table are the ones A's "worker" wrote
-    b = run_engine(hisparsed.socket, tmp_path, "B", [{"id": "b1", "tokens": PROMPT}])
-    (b1,) = b["requests"]
-    assert b["namespace"] == a["namespace"]
-    assert b1["hit"] == 20 and b1["hit_bytes_ok"]
-    assert b1["pages"][:5] == a1["pages"][:5]
-    assert b["counters"]["pin_requests"] == 1  # one pin for the whole prefix, not one per block
-    # engine A again ("restarted"): its host prefix is still there
-    again = run_engine(hisparsed.socket, tmp_path, "A2", [{"id": "a2", "tokens": PROMPT}])
-    assert again["requests"][0]["hit"] == 20 and again["requests"][0]["hit_bytes_ok"]
 
 
 @pytest.fixture
