@@ -1,11 +1,17 @@
 """``HiSparseConnector``: vLLM 0.34's own HiSparse, with its host pool on a hisparsed namespace.
 
 Opt in with one flag set (the class keeps vLLM's name, which vLLM's config
-checks look for; ``kv_connector_module_path`` makes vLLM load ours)::
+checks look for; ``kv_connector_module_path`` makes vLLM load ours), beside
+the OffloadingConnector that shares the indexer group's blocks::
 
-    --kv-transfer-config '{"kv_connector":"HiSparseConnector","kv_role":"kv_both",
-      "kv_connector_module_path":"hisparse.vllm.hisparse_connector",
-      "kv_connector_extra_config":{"host_pool_gib":64}}'
+    --kv-transfer-config '{"kv_connector":"MultiConnector","kv_role":"kv_both",
+      "kv_connector_extra_config":{"connectors":[
+        {"kv_connector":"HiSparseConnector","kv_role":"kv_both",
+         "kv_connector_module_path":"hisparse.vllm.hisparse_connector",
+         "kv_connector_extra_config":{"host_pool_gib":64}},
+        {"kv_connector":"OffloadingConnector","kv_role":"kv_both",
+         "kv_connector_extra_config":{"spec_name":"HiSparseOffloadingSpec",
+                                      "spec_module_path":"hisparse.vllm"}}]}}'
 
 Every engine of the node that runs one model with this flag set draws its
 host blocks from one namespace (``host_region.derive_namespace``) through
@@ -13,9 +19,11 @@ the daemon. Scheduler side: ``bind_kv_cache_manager`` lets vLLM build its
 coordinator, then swaps the host group's ``BlockPool`` for a
 ``DaemonHostBlockPool`` and has every prefix lookup pin the other engines'
 pages it may hit first; ``build_connector_meta`` flushes the step's daemon
-work (one batch). Worker side: the connector is built before vLLM
-allocates the KV cache, so it installs a ``RegionHostPool`` as this
-engine's host pool: vLLM's HiSparse kernels then read and write the region.
+work (one batch) and names the fence files the step's pages need. Worker
+side: the connector is built before vLLM allocates the KV cache, so it
+installs a ``RegionHostPool`` as this
+engine's host pool: vLLM's HiSparse kernels then read and write the region;
+``start_load_kv`` locks the step's fence files first (``fences.WorkerFences``).
 
 Extra config keys besides vLLM's ``host_pool_gib``: ``socket``,
 ``namespace``, ``timeout_s``, ``hash_algo``, ``mirror_refresh_s``
@@ -32,9 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
     HiSparseConnector as VllmHiSparseConnector,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
-    HiSparseConnectorMetadata,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnectorMetadata
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
 
 from hisparse.vllm.config import AdapterConfig
