@@ -18,6 +18,7 @@ from hisparse.errors import (
     LeaseExpired,
     PermissionDenied,
     ProtocolError,
+    QuotaExceeded,
     Timeout,
 )
 from hisparse.layout import KVLayout, format_size, parse_size
@@ -45,6 +46,7 @@ __all__ = [
     "LeaseExpired",
     "PermissionDenied",
     "ProtocolError",
+    "QuotaExceeded",
     "Timeout",
     "format_size",
     "parse_size",

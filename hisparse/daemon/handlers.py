@@ -19,7 +19,8 @@ from typing import Any
 
 import hisparse
 from hisparse.daemon.config import Config
-from hisparse.daemon.namespaces import Registry
+from hisparse.daemon.governance import check_pin_quota, handle_drop, reserve_room
+from hisparse.daemon.namespaces import Namespace, Registry
 from hisparse.daemon.sessions import PinHold, Session, SessionTable, Zombie
 from hisparse.daemon.proclocks import lock_holders
 from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch
@@ -41,6 +42,10 @@ from hisparse.protocol import (
 
 log = logging.getLogger(__name__)
 
+# Entries of an `events` or `keys` reply, at most (fewer than asked is allowed):
+# with 64-byte keys a reply stays under ~1.3 MB however large the limit asked.
+MAX_REPLY_ENTRIES = 16_384
+
 
 @dataclass
 class DaemonContext:
@@ -55,6 +60,7 @@ class DaemonContext:
     evictions_since_log: dict[str, int] = field(default_factory=dict)
     requests_total: int = 0
     errors_total: int = 0
+    transport_stats: Callable[[], dict[str, int]] = lambda: {}
 
     def __post_init__(self) -> None:
         if not self.fence_dir:
@@ -73,19 +79,45 @@ def _ns(session: Session):
 
 # -- session-less ops --
 
-def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, Any]:
-    ns = None
-    if req.namespace is not None:
-        assert req.layout is not None
-        try:
-            ns = ctx.registry.get_or_create(req.namespace, req.layout, req.capacity_bytes)
-        except LayoutMismatch as exc:
-            raise WireError(ErrorCode.LAYOUT_MISMATCH, str(exc)) from None
-        except CapacityError as exc:
-            raise WireError(ErrorCode.CAPACITY, str(exc)) from None
-        except InvalidArgument as exc:
-            raise WireError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
-    session = ctx.sessions.open(ns, req.client, ctx.peer, ctx.fence_dir)
+@dataclass
+class Deferred:
+    """A reply that waits for work off the loop: ``finish(result)`` builds its body on the loop."""
+
+    future: Any  # asyncio.Future
+    finish: Callable[[Any], dict[str, Any]]
+    errors: Callable[[BaseException], WireError | None] = lambda exc: None
+
+
+def _attach_errors(exc: BaseException) -> WireError | None:
+    if isinstance(exc, LayoutMismatch):
+        return WireError(ErrorCode.LAYOUT_MISMATCH, str(exc))
+    if isinstance(exc, CapacityError):
+        return WireError(ErrorCode.CAPACITY, str(exc))
+    if isinstance(exc, InvalidArgument):
+        return WireError(ErrorCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, OSError):  # e.g. shm_dir full or gone: the daemon serves on
+        return WireError(ErrorCode.CAPACITY, f"the region could not be created: {exc}")
+    return None
+
+
+def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, Any] | Deferred:
+    if req.namespace is None:
+        return _open_session(ctx, None, req, [], ctx.peer)
+    assert req.layout is not None
+    warnings: list[str] = []
+    peer = ctx.peer  # the connection the session is bound to, also when answered later
+    try:
+        got = ctx.registry.attach(req.namespace, req.layout, req.capacity_bytes, warnings)
+    except (LayoutMismatch, CapacityError, InvalidArgument) as exc:
+        raise _attach_errors(exc) from None  # type: ignore[misc]
+    if not isinstance(got, Namespace):  # its region is being allocated off the loop
+        return Deferred(got, lambda ns: _open_session(ctx, ns, req, warnings, peer), _attach_errors)
+    return _open_session(ctx, got, req, warnings, peer)
+
+
+def _open_session(ctx: DaemonContext, ns: Namespace | None, req: HelloRequest,
+                  warnings: list[str], peer: bytes) -> dict[str, Any]:
+    session = ctx.sessions.open(ns, req.client, peer, ctx.fence_dir)
     if ns is not None:
         log.info("attach: %s", session.describe())
     else:
@@ -97,6 +129,7 @@ def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, An
         "daemon_version": hisparse.__version__,
         "region": ns.region_info() if ns else None,
         "events_seq": ns.index.events.last_seq if ns else 0,
+        "warnings": warnings,
         "fence": session.fence.name if session.fence else None,
     }
 
@@ -127,7 +160,7 @@ def _require_fence(session: Session, what: str) -> None:
 def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     ns = _ns(session)
     _require_fence(session, "reserve")
-    slots, evicted = ns.index.reserve(req.keys, session.reservations)
+    slots, evicted = ns.index.reserve(req.keys, session.reservations, reserve_room(ctx, session))
     # The hold is on record before the reply grants it: a successor daemon fences it.
     session.fence.add_reserved([s for s in slots if s >= 0])  # type: ignore[union-attr]
     if evicted:
@@ -178,6 +211,7 @@ def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict
 def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     ns = _ns(session)
     _require_fence(session, "pin")
+    check_pin_quota(ctx, session, ns.index.committed_prefix_pages(req.keys))
     pages = ns.index.pin(req.keys)
     session.fence.add_pins(pages)  # type: ignore[union-attr]
     pins = session.pins
@@ -279,6 +313,7 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
         "fenced_sessions_released": ctx.sessions.zombies_released_total,
     }
     daemon.update(ctx.registry.stats())
+    daemon.update(ctx.transport_stats())
     body: dict[str, Any] = {"daemon": daemon, "namespaces": namespaces}
     if session.namespace is None:  # hisparsectl: who holds what, stalled ones included
         body["sessions"] = _session_rows(ctx)
@@ -308,7 +343,7 @@ def _session_rows(ctx: DaemonContext) -> list[dict[str, Any]]:
 
 
 def handle_events(ctx: DaemonContext, session: Session, req: EventsRequest) -> dict[str, Any]:
-    events, seq, reset = _ns(session).index.events.since(req.after, req.limit)
+    events, seq, reset = _ns(session).index.events.since(req.after, min(req.limit, MAX_REPLY_ENTRIES))
     return {"seq": seq, "events": [list(e) for e in events], "reset": reset}
 
 
@@ -316,7 +351,7 @@ def handle_keys(ctx: DaemonContext, session: Session, req: KeysPageRequest) -> d
     index = _ns(session).index
     seq = index.events.last_seq
     index.events.enabled = True
-    keys, cursor = index.committed_page(req.cursor, req.limit)
+    keys, cursor = index.committed_page(req.cursor, min(req.limit, MAX_REPLY_ENTRIES))
     return {"keys": [list(k) for k in keys], "next_cursor": cursor, "seq": seq}
 
 
@@ -384,6 +419,7 @@ HANDLERS: dict[Op, Handler] = {
     Op.SHUTDOWN: handle_shutdown,
     Op.BYE: handle_bye,
     Op.EVICT_SESSION: handle_evict_session,
+    Op.DROP: handle_drop,
     Op.PUBLISH: handle_publish,
 }
 assert set(HANDLERS) == set(Op), "every op needs a handler"
