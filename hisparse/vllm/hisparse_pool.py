@@ -121,6 +121,9 @@ class DaemonHostBlockPool(StepBatches, SharedEventQueueBlockPool):
     # -- allocation --
 
     def get_num_free_blocks(self) -> int:
+        if self._stock and not self._ops.session_is_live(self._reserved[self._stock[-1]][0]):
+            # The client re-attached (daemon restart): that stock is gone. A local check.
+            self._prune_lost_sessions()
         if len(self._stock) < self.step_blocks and not self._topped_up:
             self._topped_up = True  # at most one round trip a step on this path
             self._refill(2 * self.step_blocks - len(self._stock))

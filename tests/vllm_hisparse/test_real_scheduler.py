@@ -113,3 +113,35 @@ def test_two_engine_processes_share_the_host_and_indexer_prefix_and_a_restart_ke
     # A restarted (a new process of the same engine) finds the same prefix
     (again,) = run_engine_process(hisparsed.socket, model_dir, [PROMPT])["requests"]
     assert (again["external"], again["computed"]) == (576, 65) and again["bytes_ok"]
+
+
+def test_daemon_outage_and_restart_mid_run_fail_no_request(daemon_factory, tmp_path):
+    import time
+
+    daemon = daemon_factory(lease_ttl=1)
+    engine = Engine(daemon.socket, write_model_dir(str(tmp_path / "tiny-deepseek-v32")))
+    try:
+        first = engine.add("first", PROMPT, max_tokens=4)
+        assert engine.step() == {"first": 640}  # spills planned into reserved pages
+        old_session = engine.pool._ops.client.session
+        daemon.kill()  # the daemon dies mid-request: vLLM's steps go on
+        second = engine.add("second", list(range(9000, 9128)), max_tokens=2)
+        engine.run()
+        assert first.is_finished() and second.is_finished()
+        # it comes back (every session gone); once the client has re-attached (its
+        # heartbeat does), new requests get pages of the new session and are published
+        daemon.start()
+        deadline = time.monotonic() + 20
+        while engine.pool._ops.session_is_live(old_session):
+            assert time.monotonic() < deadline, "the client never re-attached"
+            time.sleep(0.05)
+        third = engine.add("third", list(range(20_000, 20_000 + 256)), max_tokens=2)
+        published = engine.pool.counters["published"]
+        deadline = time.monotonic() + 20
+        while not third.is_finished() or engine.pool.counters["published"] < published + 4:
+            assert time.monotonic() < deadline, engine.pool.counters
+            engine.step()
+            time.sleep(0.01)
+        assert not engine.scheduler.requests
+    finally:
+        engine.close()
