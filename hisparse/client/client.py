@@ -397,8 +397,17 @@ class Client:
 
     def pin(self, keys: list[bytes]) -> Pin:
         """Pin the committed prefix of ``keys``; use as ``with c.pin(keys) as p:``."""
-        session, pinned, page_ids = self._pin_prefix(list(keys))
-        return Pin(self, session, pinned, page_ids.tolist())
+        keys = list(keys)
+        for attempt in range(LOST_SESSION_RETRIES + 1):
+            session, pinned, page_ids = self._pin_prefix(keys)
+            try:
+                return Pin(self, session, pinned, page_ids.tolist())
+            except LeaseExpired:
+                # Another thread re-attached and let the session's fence go in
+                # between: those pins are lost with it. Pin again.
+                if attempt == LOST_SESSION_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
 
     def _pin_prefix(self, keys: list[bytes]) -> tuple[ClientSession, list[bytes], np.ndarray]:
         """Pin the committed prefix, all under one session: (session, keys pinned, page ids)."""
