@@ -71,3 +71,13 @@ def test_reload_takes_only_live_keys(tmp_path):
     new = config.reload(cfg)
     assert new.lease_ttl_s == 2.0 and new.log_level == "DEBUG"
     assert new.capacity_bytes == 1 << 30, "capacity cannot change live"
+
+
+def test_the_example_documents_every_key():
+    import re
+
+    text = open(EXAMPLE).read()
+    for key in [*config._KEYS, "group"]:
+        assert re.search(rf"^(# )?{key} = ", text, re.M), f"{EXAMPLE} does not document {key}"
+    cfg = config.build(EXAMPLE, env={})
+    assert cfg.session_pin_share == 0.5 and cfg.session_reserve_share == 0.5
