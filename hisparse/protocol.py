@@ -59,6 +59,7 @@ class Op(str, enum.Enum):
     CLEAR = "clear"  # admin: drop every committed page of one namespace
     SHUTDOWN = "shutdown"  # admin: stop the daemon as SIGTERM would
     BYE = "bye"  # close the session now, releasing everything it holds
+    PREFETCH = "prefetch"  # promote the cluster tier's pages of keys into the namespace
 
 
 # The ``ok`` body of each op's reply. Every field is listed here; the daemon's
@@ -74,7 +75,10 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
         "events_seq": "int: the namespace's event sequence number now",
     },
     Op.PING: {"version": "str", "protocol": "int", "uptime_s": "float", "pid": "int"},
-    Op.LOOKUP: {"count": "int: leading keys that are committed"},
+    Op.LOOKUP: {"count": "int: leading keys that are committed",
+                "remote": "int, only when the request says remote: true: how many keys after "
+                          "those the cluster tier holds (0 without one); wait: false answers "
+                          "from what the daemon already knows and asks the cluster meanwhile"},
     Op.RESERVE: {"slots": "list[int], one per key processed in order: a page id to write, "
                           "SLOT_COMMITTED or SLOT_BUSY; shorter than keys when the region is full",
                  "evicted": "list[bytes]: keys evicted (least recently used) to make room"},
@@ -92,6 +96,11 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
     Op.CLEAR: {"freed_pages": "int", "doomed_pages": "int: pinned now, freed on their last unpin"},
     Op.SHUTDOWN: {},
     Op.BYE: {},
+    Op.PREFETCH: {"queued": "int: keys being promoted in the background (wait: false)",
+                  "promoted": "int: pages fetched, verified and committed", "local": "int: "
+                  "already committed here", "missing": "int: not in the cluster",
+                  "refused": "int: values whose header or hash did not match (dropped)",
+                  "busy": "int: being written by a session here"},
 }
 
 SESSIONLESS_OPS = frozenset({Op.HELLO, Op.PING})
@@ -113,6 +122,7 @@ class ErrorCode(str, enum.Enum):
     CAPACITY = "CAPACITY"  # a region would not fit in the daemon's capacity
     PERMISSION_DENIED = "PERMISSION_DENIED"  # admin op without the admin token
     SHUTTING_DOWN = "SHUTTING_DOWN"  # the daemon is draining and takes no new work
+    CLUSTER_UNAVAILABLE = "CLUSTER_UNAVAILABLE"  # no cluster tier, or it did not answer in time
     INTERNAL = "INTERNAL"  # a bug in the daemon; it logged a traceback and serves on
 
 
@@ -129,6 +139,7 @@ _ERROR_CLASSES: dict[ErrorCode, type[errors.HisparseError]] = {
     ErrorCode.CAPACITY: errors.CapacityError,
     ErrorCode.PERMISSION_DENIED: errors.PermissionDenied,
     ErrorCode.SHUTTING_DOWN: errors.DaemonUnavailable,
+    ErrorCode.CLUSTER_UNAVAILABLE: errors.ClusterUnavailable,
     ErrorCode.INTERNAL: errors.HisparseError,
 }
 
@@ -198,6 +209,10 @@ class KeysRequest(Request):
     # abort only: skip keys this session does not hold instead of refusing
     # (a client whose reserve reply was lost cleans up what it may hold)
     missing_ok: bool = False
+    # lookup only: also count the keys after the local prefix that the cluster holds
+    remote: bool = False
+    # lookup with remote, prefetch: answer once the cluster has (False: at once)
+    wait: bool = True
 
 
 @dataclass(frozen=True)
@@ -223,7 +238,7 @@ class AdminRequest(Request):
     namespace: str | None  # clear: the namespace; shutdown: None
 
 
-_KEY_OPS = frozenset({Op.LOOKUP, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN, Op.UNPIN})
+_KEY_OPS = frozenset({Op.LOOKUP, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN, Op.UNPIN, Op.PREFETCH})
 
 
 def _field(msg: dict[str, Any], name: str, types: tuple[type, ...], *, optional: bool = False) -> Any:
@@ -329,7 +344,10 @@ def decode_request(frame: bytes) -> Request:
     session = _field(msg, "session", (int,))
     if op in _KEY_OPS:
         missing_ok = _field(msg, "missing_ok", (bool,), optional=True) if op is Op.ABORT else None
-        return KeysRequest(op, rid, session, _keys(msg), bool(missing_ok))
+        remote = _field(msg, "remote", (bool,), optional=True) if op is Op.LOOKUP else None
+        wait = _field(msg, "wait", (bool,), optional=True) if op in (Op.LOOKUP, Op.PREFETCH) else None
+        return KeysRequest(op, rid, session, _keys(msg), bool(missing_ok), bool(remote),
+                           wait is not False)
     if op is Op.EVENTS:
         return EventsRequest(op, rid, session, _field(msg, "after", (int,)), _limit(msg))
     if op is Op.KEYS:

@@ -55,6 +55,23 @@ class StampLRU:
     def is_held(self, page: int) -> bool:
         return self.stamps[page] == HELD
 
+    @staticmethod
+    def is_held_stamp(stamp: int) -> bool:
+        return stamp == HELD
+
+    def peek_victims(self, limit: int) -> list[int]:
+        """Up to ``limit`` of the next victims, least recently used first, without taking them."""
+        out: list[int] = []
+        stamps, cand, cand_stamps = self.stamps, self._cand, self._cand_stamps
+        for pos in range(self._pos, len(cand)):
+            if stamps[cand[pos]] == cand_stamps[pos]:
+                out.append(cand[pos])
+                if len(out) >= limit:
+                    break
+        if not out and self._refill():
+            return self.peek_victims(limit) if self._cand else []
+        return out
+
     def touch(self, page: int) -> None:
         stamps = self.stamps
         if stamps[page] != HELD:

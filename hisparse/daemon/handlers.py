@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,11 +48,14 @@ class DaemonContext:
     started_s: float = field(default_factory=time.monotonic)
     request_shutdown: Callable[[str], None] = lambda reason: None
     evictions_since_log: dict[str, int] = field(default_factory=dict)
+    cluster: Any = None  # hisparse.daemon.cluster.ClusterTier when [cluster] is on
     requests_total: int = 0
     errors_total: int = 0
 
 
-Handler = Callable[[DaemonContext, Any, Any], dict[str, Any]]
+# A handler answers with the reply's ok body, or with a Future of it that the
+# cluster worker resolves (the server sends the reply when it is done).
+Handler = Callable[[DaemonContext, Any, Any], "dict[str, Any] | Future"]
 
 
 def _ns(session: Session):
@@ -96,8 +100,37 @@ def handle_ping(ctx: DaemonContext, _: None, req: Request) -> dict[str, Any]:
 
 # -- data ops --
 
-def handle_lookup(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    return {"count": _ns(session).index.lookup(req.keys)}
+def handle_lookup(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any] | Future:
+    ns = _ns(session)
+    count = ns.index.lookup(req.keys)
+    if not req.remote:
+        return {"count": count}
+    if ctx.cluster is None or count == len(req.keys):
+        return {"count": count, "remote": 0}
+    remote = ctx.cluster.remote_prefix(ns, req.keys[count:], req.wait)
+    if isinstance(remote, Future):
+        return _then(remote, lambda n: {"count": count, "remote": n})
+    return {"count": count, "remote": remote}
+
+
+def handle_prefetch(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any] | Future:
+    if ctx.cluster is None:
+        raise WireError(ErrorCode.CLUSTER_UNAVAILABLE,
+                        "this hisparsed has no cluster tier: set [cluster] backend in its config")
+    return ctx.cluster.prefetch(_ns(session), req.keys, req.wait)
+
+
+def _then(fut: Future, fn: Callable[[Any], dict[str, Any]]) -> Future:
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(fn(f.result()))
+    fut.add_done_callback(done)
+    return out
 
 
 def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
@@ -105,6 +138,8 @@ def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> di
     slots, evicted = ns.index.reserve(req.keys, session.reservations)
     if evicted:
         ctx.evictions_since_log[ns.name] = ctx.evictions_since_log.get(ns.name, 0) + len(evicted)
+    if ctx.cluster is not None:
+        ctx.cluster.reserved(ns)
     return {"slots": slots, "evicted": evicted}
 
 
@@ -131,7 +166,17 @@ def _settle(session: Session, req: KeysRequest, what: str, apply) -> int:
 
 
 def handle_commit(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    return {"committed": _settle(session, req, "commit", _ns(session).index.commit)}
+    ns = _ns(session)
+    if ctx.cluster is None:
+        return {"committed": _settle(session, req, "commit", ns.index.commit)}
+    done: list[tuple[bytes, int]] = []
+
+    def commit(key: bytes, page: int) -> None:
+        ns.index.commit(key, page)
+        done.append((key, page))
+    committed = _settle(session, req, "commit", commit)
+    ctx.cluster.committed(ns, done)
+    return {"committed": committed}
 
 
 def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
@@ -205,6 +250,7 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
         "evicted_pages": sum(ns.index.counters.evicted_pages for ns in ctx.registry.namespaces.values()),
     }
     daemon.update(ctx.registry.stats())
+    daemon["cluster"] = ctx.cluster.stats() if ctx.cluster is not None else {"backend": "none"}
     return {"daemon": daemon, "namespaces": namespaces}
 
 
@@ -262,5 +308,6 @@ HANDLERS: dict[Op, Handler] = {
     Op.CLEAR: handle_clear,
     Op.SHUTDOWN: handle_shutdown,
     Op.BYE: handle_bye,
+    Op.PREFETCH: handle_prefetch,
 }
 assert set(HANDLERS) == set(Op), "every op needs a handler"

@@ -122,6 +122,24 @@ async def _announce_ready(endpoint: str, socket_path: str) -> None:
     log.info("ready: serving on %s (export HISPARSE_SOCKET=%s)", socket_path, socket_path)
 
 
+def _cluster_tier(cfg: config_mod.ClusterConfig):
+    """The cluster tier (its worker starts with the loop); refuses to start without the wheel."""
+    from hisparse.cluster import mooncake
+    from hisparse.daemon.cluster import ClusterTier
+
+    try:
+        mooncake.load()
+    except mooncake.ClusterUnavailableError as exc:
+        raise HisparseError(str(exc)) from None
+
+    def backend() -> mooncake.MooncakeBackend:
+        return mooncake.MooncakeBackend(
+            local_hostname=cfg.local_hostname, metadata_server=cfg.metadata_server, master=cfg.master,
+            protocol=cfg.protocol, rdma_devices=cfg.rdma_devices, segment_size_bytes=cfg.segment_size_bytes,
+            buffer_size_bytes=cfg.buffer_size_bytes, replicas=cfg.replicas)
+    return ClusterTier(cfg, backend)
+
+
 def run(cfg: config_mod.Config) -> int:
     lock_fd = _lock_state_dir(cfg)
     os.makedirs(cfg.shm_dir, exist_ok=True)
@@ -129,6 +147,8 @@ def run(cfg: config_mod.Config) -> int:
     registry.adopt_all()
     _prepare_socket(cfg.socket)
     ctx = DaemonContext(cfg, registry, SessionTable(cfg.lease_ttl_s), admin_token="")
+    if cfg.cluster.enabled:
+        ctx.cluster = _cluster_tier(cfg.cluster)
     endpoint = endpoint_for(cfg.socket)
     server = Server(ctx, endpoint)
     server.bind()
@@ -145,6 +165,8 @@ def run(cfg: config_mod.Config) -> int:
         reason = runner(server.serve(lambda: _announce_ready(endpoint, cfg.socket)))
     finally:
         notify.notify("STOPPING=1")
+        if ctx.cluster is not None:
+            ctx.cluster.stop()
         for session in list(ctx.sessions.sessions.values()):
             ctx.sessions.close(session)
         registry.flush()

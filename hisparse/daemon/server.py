@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import time
+from concurrent.futures import Future
 
 import zmq
 
@@ -31,8 +32,8 @@ EVICTION_LOG_INTERVAL_S = 5.0
 MAX_BATCH = 256  # messages handled per reader callback before yielding to timers
 
 
-def dispatch(ctx: DaemonContext, frame: bytes) -> bytes:
-    """One request frame in, one reply frame out. Never raises."""
+def dispatch(ctx: DaemonContext, frame: bytes) -> bytes | Future:
+    """One request frame in, one reply frame out (or a Future of it). Never raises."""
     ctx.requests_total += 1
     rid: int | None = None
     try:
@@ -47,7 +48,10 @@ def dispatch(ctx: DaemonContext, frame: bytes) -> bytes:
                                 "earlier daemon; send hello again")
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s id=%s session=%s", req.op.value, rid, req.session)
-        return protocol.encode_ok(rid, HANDLERS[req.op](ctx, session, req))
+        body = HANDLERS[req.op](ctx, session, req)
+        if isinstance(body, Future):  # the cluster tier answers later
+            return _deferred(ctx, rid, body)
+        return protocol.encode_ok(rid, body)
     except WireError as exc:
         ctx.errors_total += 1
         if rid is None:
@@ -59,6 +63,25 @@ def dispatch(ctx: DaemonContext, frame: bytes) -> bytes:
         log.error("internal error handling request id=%s", rid, exc_info=True)
         return protocol.encode_error(rid if rid is not None else protocol.request_id(frame),
                                      ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def _deferred(ctx: DaemonContext, rid: int, body: Future) -> Future:
+    """The reply frame of a handler that answered with a Future of its body."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        exc = f.exception()
+        if exc is None:
+            out.set_result(protocol.encode_ok(rid, f.result()))
+            return
+        ctx.errors_total += 1
+        if isinstance(exc, WireError):
+            out.set_result(protocol.encode_error(rid, exc.code, exc.message))
+        else:
+            log.error("internal error answering request id=%s", rid, exc_info=exc)
+            out.set_result(protocol.encode_error(rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+    body.add_done_callback(done)
+    return out
 
 
 class Server:
@@ -99,6 +122,8 @@ class Server:
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._on_readable)
         loop.call_soon(self._on_readable)  # messages that arrived before the reader existed
+        if self.ctx.cluster is not None:
+            self.ctx.cluster.start(loop)
         if signals:  # only the main thread may; in-process tests run the loop elsewhere
             for sig, reason in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
                 loop.add_signal_handler(sig, self.stop, reason)
@@ -150,6 +175,14 @@ class Server:
                                           f"expected one frame per request, got {len(body)}")
         else:
             reply = dispatch(self.ctx, body[0])
+        if isinstance(reply, Future):
+            loop = asyncio.get_running_loop()
+            reply.add_done_callback(lambda f: loop.call_soon_threadsafe(
+                self._send, identity, envelope, f.result()))
+            return
+        self._send(identity, envelope, reply)
+
+    def _send(self, identity: bytes, envelope: list[bytes], reply: bytes) -> None:
         try:
             self.sock.send_multipart([identity, *envelope, reply], zmq.NOBLOCK)
         except zmq.Again:
@@ -173,7 +206,8 @@ class Server:
         try:
             req = protocol.decode_request(frames[-1])
             if req.op in (Op.BYE, Op.COMMIT, Op.ABORT, Op.UNPIN, Op.PING):
-                reply = dispatch(self.ctx, frames[-1])  # let in-flight work finish cleanly
+                done = dispatch(self.ctx, frames[-1])  # let in-flight work finish cleanly
+                reply = done if isinstance(done, bytes) else reply
         except WireError:
             pass
         try:

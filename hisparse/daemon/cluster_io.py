@@ -1,0 +1,196 @@
+"""The cluster worker's I/O: connect, write-behind puts, existence probes, promotions.
+
+Runs on the cluster worker thread only (``ClusterTier._run``); every index
+change goes through ``ClusterTier._on_loop``. A page's bytes move between
+its place in the region and Mooncake as ``1 + num_layers`` buffers: the
+64-byte header from the tier's registered header buffer, then the page's
+slice of each layer (a page is layer-major strided in the region, one
+``block_tokens * row_bytes`` run per layer). Mooncake's multi-buffer batch
+calls take exactly that, so no page is ever staged in a contiguous copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from hisparse.cluster import format as fmt
+from hisparse.daemon.cluster import ClusterDown, _Space
+
+if TYPE_CHECKING:
+    from hisparse.daemon.cluster import ClusterTier
+
+log = logging.getLogger(__name__)
+
+EXIST_CHUNK_KEYS = 4096
+OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode::OBJECT_NOT_FOUND
+
+
+class Worker:
+    def __init__(self, tier: ClusterTier) -> None:
+        self.tier = tier
+
+    def connect(self) -> None:
+        tier = self.tier
+        try:
+            backend = tier._factory()
+            backend.connect()
+            backend.register(int(tier._headers.ctypes.data), tier._headers.nbytes)
+        except Exception as exc:
+            raise ClusterDown(f"cannot connect to {tier.config.backend} at {tier.config.master}: {exc}") \
+                from None
+        tier._backend = backend
+        tier._mark_up()
+
+    def take_batch(self) -> Callable[[], None]:
+        """Pop one write-behind batch (the caller holds the tier's lock)."""
+        tier = self.tier
+        batch = []
+        while tier._queue and len(batch) < tier.config.batch_pages:
+            space, key, page = tier._queue.popleft()
+            space.queued.discard(key)
+            batch.append((space, key, page))
+        return lambda: self.put(batch)
+
+    def put(self, batch: list[tuple[_Space, bytes, int]]) -> None:
+        tier = self.tier
+        held = tier._on_loop(tier._hold, batch)
+        codes: list[int] = []
+        try:
+            keys, ptrs, sizes = [], [], []
+            for i, (space, key, page, _stamp) in enumerate(held):
+                _register(tier, space)
+                page_bytes = space.ns.layout.page_bytes
+                header = fmt.pack_header(space.fp, page_bytes, fmt.content_hash(key, space.views(page)))
+                tier._headers[i * fmt.HEADER_BYTES:(i + 1) * fmt.HEADER_BYTES] = memoryview(header)
+                addrs, lens = space.slices(page)
+                ptrs.append([_header_address(tier, i), *addrs])
+                sizes.append([fmt.HEADER_BYTES, *lens])
+                keys.append(fmt.cluster_key(space.fp, key))
+            if keys:
+                codes = tier._backend.put(keys, ptrs, sizes)
+        finally:
+            assert tier._loop is not None
+            tier._loop.call_soon_threadsafe(tier._release, held)
+        stored = [h for h, code in zip(held, codes) if code == 0]
+        if held and not stored:
+            _requeue(tier, held)
+            raise ClusterDown(f"put of {len(held)} pages failed (Mooncake code {codes[0] if codes else '?'})")
+        if held:
+            tier._mark_up()
+        tier.counters["put_pages"] += len(stored)
+        tier.counters["put_bytes"] += sum(h[0].ns.layout.page_bytes for h in stored)
+        tier.counters["put_failed_pages"] += len(held) - len(stored)
+        by_space: dict[int, tuple[_Space, list[bytes]]] = {}
+        for space, key, _page, _stamp in stored:
+            by_space.setdefault(id(space), (space, []))[1].append(key)
+        for space, keys in by_space.values():
+            tier._learn(space, keys)
+
+    def close(self) -> None:
+        backend, self.tier._backend = self.tier._backend, None
+        if backend is not None:
+            backend.close()
+
+
+def exist(tier: ClusterTier, space: _Space, keys: list[bytes], *, prefix: bool = True) -> list[bool]:
+    """Which ``keys`` the cluster holds (with ``prefix``: stops after the first it lacks)."""
+    backend = _backend(tier)
+    out: list[bool] = []
+    for start in range(0, len(keys), EXIST_CHUNK_KEYS):
+        chunk = keys[start:start + EXIST_CHUNK_KEYS]
+        codes = backend.exist([fmt.cluster_key(space.fp, k) for k in chunk])
+        bad = [c for c in codes if c < 0]
+        if bad:
+            raise ClusterDown(f"batch_is_exist returned {bad[0]}")
+        out.extend(c == 1 for c in codes)
+        if prefix and not all(out):
+            break
+    tier._learn(space, [k for k, held in zip(keys, out) if held])
+    tier._mark_up()
+    return out
+
+
+def promote(tier: ClusterTier, space: _Space, keys: list[bytes], body: dict[str, int]) -> None:
+    """Fetch the cluster's pages of ``keys`` into reserved pages; commit only verified ones."""
+    for start in range(0, len(keys), tier.config.batch_pages):
+        chunk = keys[start:start + tier.config.batch_pages]
+        held = exist(tier, space, chunk, prefix=False)
+        have = [k for k, h in zip(chunk, held) if h]
+        body["missing"] += len(chunk) - len(have)
+        tier.counters["missing_pages"] += len(chunk) - len(have)
+        if not have:
+            continue
+        mine, busy = tier._on_loop(tier._reserve, space, have)
+        body["busy"] += busy
+        if len(mine) + busy < len(have):  # committed meanwhile, or no room left
+            body["local"] += len(have) - len(mine) - busy
+        if mine:
+            _fetch(tier, space, mine, body)
+
+
+def _fetch(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]], body: dict[str, int]) -> None:
+    page_bytes = space.ns.layout.page_bytes
+    good: list[tuple[bytes, int]] = []
+    try:
+        _register(tier, space)
+        ptrs, sizes = [], []
+        for i, (_key, page) in enumerate(mine):
+            addrs, lens = space.slices(page)
+            ptrs.append([_header_address(tier, i), *addrs])
+            sizes.append([fmt.HEADER_BYTES, *lens])
+        got = _backend(tier).get([fmt.cluster_key(space.fp, k) for k, _ in mine], ptrs, sizes)
+        refused: list[bytes] = []
+        failed = 0
+        for i, (key, page) in enumerate(mine):
+            if got[i] == OBJECT_NOT_FOUND:
+                body["missing"] += 1
+                continue
+            if got[i] < 0:
+                failed += 1
+                continue
+            why = f"value of {got[i]} bytes, expected {fmt.HEADER_BYTES + page_bytes}"
+            if got[i] == fmt.HEADER_BYTES + page_bytes:
+                header = bytes(tier._headers[i * fmt.HEADER_BYTES:(i + 1) * fmt.HEADER_BYTES])
+                why = fmt.verify(header, space.fp, page_bytes, fmt.content_hash(key, space.views(page)))
+            if why is None:
+                good.append((key, page))
+            else:
+                refused.append(key)
+                log.warning("refused a cluster value for %r key %s...: %s", space.ns.name,
+                            key[:4].hex(), why)
+        if refused:
+            body["refused"] += len(refused)
+            tier.counters["refused_pages"] += len(refused)
+            _backend(tier).remove([fmt.cluster_key(space.fp, k) for k in refused])
+        if failed == len(mine):
+            raise ClusterDown(f"get of {len(mine)} pages failed (Mooncake code {got[0]})")
+    finally:
+        bad = [pair for pair in mine if pair not in good]
+        tier._on_loop(tier._settle, space, good, bad)
+    body["promoted"] += len(good)
+    tier.counters["promoted_pages"] += len(good)
+    tier.counters["promoted_bytes"] += len(good) * page_bytes
+
+
+def _requeue(tier: ClusterTier, held: list[tuple[_Space, bytes, int, int]]) -> None:
+    with tier._cond:
+        for space, key, page, _stamp in reversed(held):
+            if key not in space.queued and len(tier._queue) < tier.config.queue_pages:
+                tier._queue.appendleft((space, key, page))
+                space.queued.add(key)
+
+
+def _backend(tier: ClusterTier) -> Any:
+    if tier._backend is None:
+        raise ClusterDown("not connected")
+    return tier._backend
+
+
+def _register(tier: ClusterTier, space: _Space) -> None:
+    _backend(tier).register(space.region.address, space.ns.geometry.size_bytes)
+
+
+def _header_address(tier: ClusterTier, slot: int) -> int:
+    return int(tier._headers.ctypes.data) + slot * fmt.HEADER_BYTES
