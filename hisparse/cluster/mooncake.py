@@ -15,7 +15,9 @@ the transfer engine, so no staging copy is made on this side.
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
+from urllib.parse import urlsplit
 
 from hisparse.errors import HisparseError
 
@@ -41,6 +43,16 @@ def load() -> Any:
     return store
 
 
+def reachable(address: str, timeout_s: float = 0.5) -> None:
+    """Raise ``ClusterUnavailableError`` unless ``host:port`` accepts a TCP connection."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        raise ClusterUnavailableError(f"{address} does not answer: {exc}") from None
+
+
 class MooncakeBackend:
     """Thin, typed calls on one ``MooncakeDistributedStore``; not thread-safe by design."""
 
@@ -60,6 +72,14 @@ class MooncakeBackend:
         return self._store is not None
 
     def connect(self) -> None:
+        # ``setup`` holds the GIL while it waits for an unreachable master (about 90 s,
+        # freezing the daemon's event loop with it), so it is called only once the
+        # master and the metadata server accept a connection.
+        master, metadata = self._args[-1], self._args[1]
+        reachable(master)
+        if metadata.startswith(("http://", "https://")):
+            parts = urlsplit(metadata)
+            reachable(f"{parts.hostname}:{parts.port or 80}")
         store = self._module.MooncakeDistributedStore()
         rc = store.setup(*self._args)
         if rc != 0:
@@ -88,6 +108,10 @@ class MooncakeBackend:
     def exist(self, keys: list[str]) -> list[int]:
         """1 held, 0 not held, negative: the master could not answer."""
         return list(self._store.batch_is_exist(keys))
+
+    def size(self, key: str) -> int:
+        """The value's size in bytes, or a negative Mooncake error code."""
+        return int(self._store.get_size(key))
 
     def remove(self, keys: list[str]) -> None:
         self._store.batch_remove(keys, True)

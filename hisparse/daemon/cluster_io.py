@@ -147,10 +147,17 @@ def _fetch(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]], body
             if got[i] == OBJECT_NOT_FOUND:
                 body["missing"] += 1
                 continue
-            if got[i] < 0:
-                failed += 1
-                continue
-            why = f"value of {got[i]} bytes, expected {fmt.HEADER_BYTES + page_bytes}"
+            size = got[i]
+            if size < 0:
+                # Mooncake refuses a value that does not fill the buffers exactly: ask its size
+                # to tell a foreign value (refused) from a failed transfer (tried again later).
+                size = _backend(tier).size(fmt.cluster_key(space.fp, key))
+                if size < 0 or size == fmt.HEADER_BYTES + page_bytes:
+                    log.warning("cluster get of %r key %s... failed: Mooncake code %d",
+                                space.ns.name, key[:4].hex(), got[i])
+                    failed += 1
+                    continue
+            why = f"value of {size} bytes, expected {fmt.HEADER_BYTES + page_bytes}"
             if got[i] == fmt.HEADER_BYTES + page_bytes:
                 header = bytes(tier._headers[i * fmt.HEADER_BYTES:(i + 1) * fmt.HEADER_BYTES])
                 why = fmt.verify(header, space.fp, page_bytes, fmt.content_hash(key, space.views(page)))

@@ -3,8 +3,8 @@
 Each daemon runs its cluster tier (the real Mooncake client and transfer
 engine, TCP on loopback) and lends the cluster a memory segment of its own,
 as one hisparsed per node would. Processes are started and stopped by pid.
-Everything here is skipped, with the reason, where the Mooncake wheel
-cannot be loaded.
+Every test that needs the cluster is skipped, with the reason, where the
+Mooncake wheel cannot be loaded.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import pytest
 
 from hisparse.cluster import mooncake
+from hisparse.ctl import Control
+from hisparse.protocol import Op
 
 try:
     mooncake.load()
@@ -28,7 +30,8 @@ try:
 except mooncake.ClusterUnavailableError as exc:
     SKIP_REASON = str(exc)
 
-pytestmark = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON)
+# test modules here set ``pytestmark = requires_mooncake``
+requires_mooncake = pytest.mark.skipif(bool(SKIP_REASON), reason=SKIP_REASON)
 
 
 def free_port() -> int:
@@ -105,9 +108,39 @@ def cluster_env(master: Master, **extra: str) -> dict[str, str]:
 
 
 @pytest.fixture
+def planter(master) -> Iterator:
+    """A bare Mooncake client of the test's own: puts values straight into the cluster."""
+    import numpy as np
+
+    store = mooncake.load().MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", master.address) == 0
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    assert store.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+
+    def plant(key: str, value: bytes) -> None:
+        buf[:len(value)] = np.frombuffer(value, dtype=np.uint8)
+        assert store.batch_put_from([key], [buf.ctypes.data], [len(value)]) == [0]
+
+    plant.store = store  # type: ignore[attr-defined]
+    yield plant
+    store.close()
+
+
+@pytest.fixture
 def nodes(daemon_factory, master):
     """``nodes(n, capacity=..., **cluster_keys)``: n daemons on the master, each its own dirs."""
     def make(n: int = 2, capacity: str = "64MiB", **extra: str):
-        return [daemon_factory(capacity=capacity, lease_ttl=5, env=cluster_env(master, **extra))
+        made = [daemon_factory(capacity=capacity, lease_ttl=5, env=cluster_env(master, **extra))
                 for _ in range(n)]
+        for d in made:  # connected, its segment mounted: a put may land in it
+            wait_for("the cluster tier up", lambda: cluster_state(d.socket) == "up")
+        return made
     return make
+
+
+def cluster_state(socket_path: str) -> str:
+    ctl = Control(socket_path)
+    try:
+        return str(ctl.call(Op.STATS)["daemon"]["cluster"]["state"])
+    finally:
+        ctl.close()

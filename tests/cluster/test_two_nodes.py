@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from hisparse import KVLayout, client
-from tests.cluster.conftest import wait_for
+from tests.cluster.conftest import requires_mooncake, wait_for
 from tests.rawclient import keys_for
+
+pytestmark = requires_mooncake
 
 LAYOUT = KVLayout(4, 16, 64)  # 4 KiB pages: 4 layer slices each
 
@@ -39,3 +41,51 @@ def test_b_finds_a_pages_remote_prefetches_and_loads_them_byte_exact(nodes):
         # promoted pages are not written back again
         assert cluster_stats(cb)["put_pages"] == 0
         assert cluster_stats(cb)["promoted_pages"] == 24
+
+
+def test_a_evicts_a_page_locally_and_gets_it_back_from_the_cluster(nodes):
+    (a,) = nodes(1)
+    first, second = keys_for("old", 16), keys_for("new", 16)
+    data = pages(16, 2)
+    with client.attach("m", LAYOUT, socket=a.socket, capacity=16 * LAYOUT.page_bytes) as ca:
+        assert ca.store(first, data) == 16
+        wait_for("write-behind", lambda: cluster_stats(ca)["put_pages"] == 16)
+        assert ca.store(second, pages(16, 3)) == 16  # the region holds 16: the first are evicted
+        assert ca.lookup(first) == 0
+        assert ca.lookup_remote(first) == (0, 16)
+        assert ca.prefetch(first[:8])["promoted"] == 8
+        out = np.zeros((8, LAYOUT.page_bytes), dtype=np.uint8)
+        assert ca.load(first[:8], out) == 8
+        assert np.array_equal(out, data[:8])
+
+
+def test_an_unwaited_lookup_answers_at_once_and_learns_in_the_background(nodes):
+    a, b = nodes(2)
+    keys = keys_for("bg", 8)
+    with client.attach("m", LAYOUT, socket=a.socket) as ca, client.attach("m", LAYOUT, socket=b.socket) as cb:
+        ca.store(keys, pages(8, 4))
+        wait_for("write-behind", lambda: cluster_stats(ca)["put_pages"] == 8)
+        # B has never asked about these keys: the first unwaited answer knows nothing ...
+        assert cb.lookup_remote(keys, wait=False) == (0, 0)
+        # ... and the daemon asked the cluster meanwhile
+        wait_for("background probe", lambda: cb.lookup_remote(keys, wait=False) == (0, 8))
+        assert cb.prefetch(keys, wait=False)["queued"] == 8
+        wait_for("background promotion", lambda: cb.lookup(keys) == 8)
+
+
+def test_a_restarted_daemon_registers_its_regions_again(nodes):
+    a, b = nodes(2)
+    keys = keys_for("restart", 12)
+    data = pages(12, 5)
+    with client.attach("m", LAYOUT, socket=a.socket) as ca:
+        ca.store(keys[:6], data[:6])
+        wait_for("write-behind", lambda: cluster_stats(ca)["put_pages"] == 6)
+    a.restart()
+    with client.attach("m", LAYOUT, socket=a.socket) as ca, client.attach("m", LAYOUT, socket=b.socket) as cb:
+        assert ca.lookup(keys[:6]) == 6  # adopted locally
+        ca.store(keys[6:], data[6:])
+        wait_for("write-behind after restart", lambda: cluster_stats(ca)["put_pages"] == 6)
+        # (the values A's old run held in its own segment left with it: only the new ones count)
+        assert cb.prefetch(keys[6:])["promoted"] == 6
+        out = np.zeros((6, LAYOUT.page_bytes), dtype=np.uint8)
+        assert cb.load(keys[6:], out) == 6 and np.array_equal(out, data[6:])
