@@ -89,3 +89,18 @@ def test_a_restarted_daemon_registers_its_regions_again(nodes):
         assert cb.prefetch(keys[6:])["promoted"] == 6
         out = np.zeros((6, LAYOUT.page_bytes), dtype=np.uint8)
         assert cb.load(keys[6:], out) == 6 and np.array_equal(out, data[6:])
+
+
+def test_hisparsectl_stats_shows_the_cluster_tier(nodes):
+    import subprocess
+    import sys
+
+    (a,) = nodes(1)
+    with client.attach("m", LAYOUT, socket=a.socket) as ca:
+        ca.store(keys_for("ctl", 3), pages(3, 9))
+        wait_for("write-behind", lambda: cluster_stats(ca)["put_pages"] == 3)
+    r = subprocess.run([sys.executable, "-m", "hisparse.ctl", "--socket", a.socket, "stats"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "cluster: mooncake at 127.0.0.1:" in r.stdout and " up, write-behind" in r.stdout
+    assert "put 3 pages (12.0 KiB)" in r.stdout

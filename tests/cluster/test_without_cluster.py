@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hisparse import ClusterUnavailable, KVLayout, client
+from hisparse.ctl import format_cluster
 from tests.rawclient import keys_for
 
 LAYOUT = KVLayout(2, 4, 32)
@@ -19,3 +20,4 @@ def test_without_a_cluster_tier_remote_is_zero_and_prefetch_is_refused(hisparsed
         with pytest.raises(ClusterUnavailable, match=r"\[cluster\] backend"):
             c.prefetch(keys)
         assert c.stats()["daemon"]["cluster"] == {"backend": "none"}
+        assert format_cluster(c.stats()["daemon"]["cluster"]) == "cluster: off"
