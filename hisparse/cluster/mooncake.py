@@ -105,6 +105,10 @@ class MooncakeBackend:
         """Bytes read per key (the value's whole size), or a negative Mooncake error code."""
         return list(self._store.batch_get_into_multi_buffers(keys, ptrs, sizes))
 
+    def get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """``get`` of whole values, each into one contiguous buffer."""
+        return list(self._store.batch_get_into(keys, ptrs, sizes))
+
     def exist(self, keys: list[str]) -> list[int]:
         """1 held, 0 not held, negative: the master could not answer."""
         return list(self._store.batch_is_exist(keys))

@@ -56,7 +56,7 @@ MAX_PROBE_KEYS = 4096  # keys one unwaited lookup asks the cluster about in the 
 LOOP_CALL_TIMEOUT_S = 10.0
 COUNTERS = ("queued_pages", "dropped_pages", "skipped_pages", "put_pages", "put_bytes",
             "put_failed_pages", "promoted_pages", "promoted_bytes", "refused_pages", "missing_pages",
-            "remote_lookups", "remote_keys", "errors")
+            "remote_lookups", "remote_keys", "errors", "put_s", "get_s", "hash_s")
 
 
 class ClusterDown(Exception):
@@ -72,6 +72,7 @@ class _Space:
     region: RegionMap
     queued: set[bytes] = field(default_factory=set)  # keys in the write-behind queue
     held: dict[bytes, int] = field(default_factory=dict)  # pages the tier reserved: key -> page
+    retries: dict[bytes, int] = field(default_factory=dict)  # failed puts of a queued key so far
 
     def slices(self, page: int) -> tuple[list[int], list[int]]:
         """Addresses and sizes of ``page``'s per-layer slices, in logical (layer-major) order."""
@@ -88,7 +89,7 @@ class _Space:
 class ClusterTier:
     def __init__(self, config: ClusterConfig, backend_factory: Callable[[], Any]) -> None:
         self.config = config
-        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self.state = "connecting"
         self.last_error = ""
         self._factory = backend_factory
@@ -103,6 +104,7 @@ class ClusterTier:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._headers = np.zeros(config.batch_pages * fmt.HEADER_BYTES, dtype=np.uint8)
+        self._stage: np.ndarray | None = None  # TCP gets: cluster_io._fetch_staged
 
     # -- lifecycle (loop thread) --
 
