@@ -1,6 +1,6 @@
-"""``hisparsectl``: ping, stats and clear a running hisparsed.
+"""``hisparsectl``: ping, stats, clear and evict-session on a running hisparsed.
 
-``clear`` reads the admin token the daemon wrote beside its socket
+``clear`` and ``evict-session`` read the admin token the daemon wrote beside its socket
 (``hisparsed.token``, readable only by the daemon's user and root).
 """
 
@@ -96,11 +96,26 @@ def format_stats(stats: dict[str, Any]) -> str:
     if len(rows) == 1:
         lines.append("(no namespaces)")
         return "\n".join(lines)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                               enumerate(zip(r, widths))).rstrip())
+    lines += _table(rows)
+    sessions = stats.get("sessions") or []
+    if sessions:
+        lines += ["", "sessions (fenced: ended, pages kept until its processes exit or let go;"
+                  " `hisparsectl evict-session HANDLE` frees them now):"]
+        srows = [("handle", "state", "namespace", "pids", "age", "idle", "reserved", "pinned",
+                  "fenced", "client")]
+        for s in sorted(sessions, key=lambda s: (s["state"], s["namespace"], s["handle"])):
+            srows.append((s["handle"], s["state"], s["namespace"],
+                          ",".join(map(str, s["pids"])) or "-", f"{s['age_s']:.0f}s",
+                          f"{s['idle_s']:.0f}s", str(s["reserved_pages"]), str(s["pinned_pages"]),
+                          str(s["fenced_pages"]), s["client"][:40]))
+        lines += _table(srows)
     return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                      enumerate(zip(r, widths))).rstrip() for r in rows]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--json", action="store_true", help="machine-readable")
     cl = sub.add_parser("clear", help="drop every committed page of a namespace")
     cl.add_argument("namespace")
+    ev = sub.add_parser("evict-session", help="free a live or fenced session's pages now "
+                        "(its process, if alive, may still write into them: your call)")
+    ev.add_argument("handle", help="the 8-hex-digit handle `stats` shows")
     args = p.parse_args(argv)
     socket_path = args.socket or default_socket_path()
     ctl = Control(socket_path, args.timeout)
@@ -131,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
             r = ctl.call(protocol.Op.CLEAR, namespace=args.namespace, token=token)
             print(f"cleared {args.namespace!r}: {r['freed_pages']} pages freed, "
                   f"{r['doomed_pages']} freed when their pins are released")
+        elif args.command == "evict-session":
+            token = read_token(socket_path, args.token_file)
+            r = ctl.call(protocol.Op.EVICT_SESSION, target=args.handle, token=token)
+            print(f"evicted session {args.handle}: {r['freed_pages']} fenced pages freed, "
+                  f"{r['released_pins']} pins released")
         return 0
     except HisparseError as exc:
         print(f"hisparsectl: {exc}", file=sys.stderr)

@@ -10,10 +10,15 @@ Transport: ZeroMQ, a ROUTER in the daemon and a DEALER in each client, on an
 Every request is ``{v, id, op, ...fields}``; every reply is ``{v, id, ok:
 {...}}`` or ``{v, id, error: {code, message}}``. Example::
 
-    -> {"v": 1, "id": 7, "op": "lookup", "session": 3, "keys": [b"\\x01...", b"\\x02..."]}
-    <- {"v": 1, "id": 7, "ok": {"count": 2}}
-    -> {"v": 1, "id": 8, "op": "commit", "session": 3, "keys": [b"\\x09..."]}
-    <- {"v": 1, "id": 8, "error": {"code": "NOT_HELD", "message": "..."}}
+    -> {"v": 2, "id": 7, "op": "lookup", "session": 3, "keys": [b"\\x01...", b"\\x02..."]}
+    <- {"v": 2, "id": 7, "ok": {"count": 2}}
+    -> {"v": 2, "id": 8, "op": "commit", "session": 3, "keys": [b"\\x09..."]}
+    <- {"v": 2, "id": 8, "error": {"code": "NOT_HELD", "message": "..."}}
+
+A session is bound to the connection that opened it: its id sent on any
+other connection is ``UNKNOWN_SESSION``. Before its first ``reserve`` or
+``pin`` a namespace session's client must hold ``flock(LOCK_SH)`` on the
+fence file the hello reply names (``hisparse.shm.fence``).
 
 Only metadata crosses the socket; page bytes move through the shared regions.
 Daemon and client both import this module and never each other. Nothing else
@@ -31,7 +36,7 @@ import msgpack
 from hisparse import errors
 from hisparse.layout import KVLayout, parse_size
 
-VERSION = 1
+VERSION = 2  # 2: fences, unpin by page, sessions bound to their connection
 
 MAX_FRAME_BYTES = 8 << 20  # a larger frame is refused before it is decoded
 MAX_KEYS_PER_REQUEST = 65_536  # a 64K-token prompt at block size 1; 4M tokens at 64
@@ -51,7 +56,7 @@ class Op(str, enum.Enum):
     COMMIT = "commit"  # publish reserved pages: WRITING -> COMMITTED
     ABORT = "abort"  # drop reservations: WRITING -> FREE, never visible
     PIN = "pin"  # hold the committed prefix of keys against eviction
-    UNPIN = "unpin"  # release pins taken by this session
+    UNPIN = "unpin"  # release pins taken by this session, by page id
     HEARTBEAT = "heartbeat"  # keep the session's lease alive
     STATS = "stats"  # counters for every namespace and the daemon
     EVENTS = "events"  # commit/evict events of the namespace after a sequence number
@@ -59,6 +64,7 @@ class Op(str, enum.Enum):
     CLEAR = "clear"  # admin: drop every committed page of one namespace
     SHUTDOWN = "shutdown"  # admin: stop the daemon as SIGTERM would
     BYE = "bye"  # close the session now, releasing everything it holds
+    EVICT_SESSION = "evict_session"  # admin: end a session (or a fenced one) and free its pages now
     PREFETCH = "prefetch"  # promote the cluster tier's pages of keys into the namespace
 
 
@@ -73,6 +79,8 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
                   "num_layers, block_tokens, row_bytes, layer_stride_bytes (ints), "
                   "region_id (int, changes when the file is re-created), created (bool)",
         "events_seq": "int: the namespace's event sequence number now",
+        "fence": "str or nil (admin session): the session's fence file, in fences/ beside "
+                 "the socket; hold flock(LOCK_SH) on it while any process may touch its pages",
     },
     Op.PING: {"version": "str", "protocol": "int", "uptime_s": "float", "pid": "int"},
     Op.LOOKUP: {"count": "int: leading keys that are committed",
@@ -85,9 +93,12 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
     Op.COMMIT: {"committed": "int"},
     Op.ABORT: {"aborted": "int (the request may say missing_ok: true to skip keys not held)"},
     Op.PIN: {"count": "int: leading keys pinned", "pages": "list[int]: their page ids"},
-    Op.UNPIN: {"unpinned": "int"},
+    Op.UNPIN: {"unpinned": "int (the request names pages: list[int], as pin replied them)"},
     Op.HEARTBEAT: {"lease_ttl_s": "float"},
-    Op.STATS: {"daemon": "map of daemon counters", "namespaces": "map name -> map of counters"},
+    Op.STATS: {"daemon": "map of daemon counters", "namespaces": "map name -> map of counters",
+               "sessions": "list of maps (admin sessions only): handle, namespace, client, state "
+                           "(live | fenced), pids (holding its fence), age_s, idle_s, "
+                           "reserved_pages, pinned_pages, fenced_pages"},
     Op.EVENTS: {"seq": "int: sequence number of the last event returned (or now)",
                 "events": "list of [kind, key, page]: EVENT_COMMIT / EVENT_EVICT",
                 "reset": "bool: events after `after` are gone; resync with `keys`"},
@@ -96,6 +107,7 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
     Op.CLEAR: {"freed_pages": "int", "doomed_pages": "int: pinned now, freed on their last unpin"},
     Op.SHUTDOWN: {},
     Op.BYE: {},
+    Op.EVICT_SESSION: {"freed_pages": "int: fenced pages freed", "released_pins": "int"},
     Op.PREFETCH: {"queued": "int: keys being promoted in the background (wait: false)",
                   "promoted": "int: pages fetched, verified and committed", "local": "int: "
                   "already committed here", "missing": "int: not in the cluster",
@@ -104,7 +116,7 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
 }
 
 SESSIONLESS_OPS = frozenset({Op.HELLO, Op.PING})
-ADMIN_OPS = frozenset({Op.CLEAR, Op.SHUTDOWN})
+ADMIN_OPS = frozenset({Op.CLEAR, Op.SHUTDOWN, Op.EVICT_SESSION})
 
 
 class ErrorCode(str, enum.Enum):
@@ -115,7 +127,8 @@ class ErrorCode(str, enum.Enum):
     UNKNOWN_OP = "UNKNOWN_OP"  # ``op`` names no operation
     FRAME_TOO_LARGE = "FRAME_TOO_LARGE"  # frame over MAX_FRAME_BYTES
     INVALID_ARGUMENT = "INVALID_ARGUMENT"  # well formed, unacceptable values
-    NOT_HELD = "NOT_HELD"  # commit/abort/unpin of keys this session does not hold
+    NOT_HELD = "NOT_HELD"  # commit/abort/unpin of keys or pages this session does not hold
+    NOT_FENCED = "NOT_FENCED"  # reserve/pin before the client locked its session's fence file
     UNKNOWN_SESSION = "UNKNOWN_SESSION"  # no session, or one expired / from an earlier run
     NOT_ATTACHED = "NOT_ATTACHED"  # a data op on an admin session (hello without namespace)
     LAYOUT_MISMATCH = "LAYOUT_MISMATCH"  # namespace exists under another KVLayout
@@ -133,6 +146,7 @@ _ERROR_CLASSES: dict[ErrorCode, type[errors.HisparseError]] = {
     ErrorCode.FRAME_TOO_LARGE: errors.ProtocolError,
     ErrorCode.INVALID_ARGUMENT: errors.InvalidArgument,
     ErrorCode.NOT_HELD: errors.InvalidArgument,
+    ErrorCode.NOT_FENCED: errors.InvalidArgument,
     ErrorCode.UNKNOWN_SESSION: errors.LeaseExpired,
     ErrorCode.NOT_ATTACHED: errors.InvalidArgument,
     ErrorCode.LAYOUT_MISMATCH: errors.LayoutMismatch,
@@ -216,6 +230,13 @@ class KeysRequest(Request):
 
 
 @dataclass(frozen=True)
+class PagesRequest(Request):
+    """unpin: page ids as the pin reply gave them (a page pinned twice is listed twice)."""
+
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SessionRequest(Request):
     """heartbeat, stats, bye."""
 
@@ -236,9 +257,11 @@ class KeysPageRequest(Request):
 class AdminRequest(Request):
     token: str
     namespace: str | None  # clear: the namespace; shutdown: None
+    target: str | None = None  # evict_session: the session's 8-hex-digit handle
 
 
-_KEY_OPS = frozenset({Op.LOOKUP, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN, Op.UNPIN, Op.PREFETCH})
+_KEY_OPS = frozenset({Op.LOOKUP, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN, Op.PREFETCH})
+MAX_PAGE_ID = (1 << 31) - 1
 
 
 def _field(msg: dict[str, Any], name: str, types: tuple[type, ...], *, optional: bool = False) -> Any:
@@ -271,6 +294,19 @@ def _keys(msg: dict[str, Any]) -> tuple[bytes, ...]:
         if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
             raise WireError(ErrorCode.INVALID_ARGUMENT,
                             f"keys[{i}] is {len(key)} bytes; keys are {MIN_KEY_BYTES}-{MAX_KEY_BYTES} bytes")
+    return tuple(raw)
+
+
+def _pages(msg: dict[str, Any]) -> tuple[int, ...]:
+    raw = _field(msg, "pages", (list,))
+    if len(raw) > MAX_KEYS_PER_REQUEST:
+        raise WireError(ErrorCode.INVALID_ARGUMENT,
+                        f"{len(raw)} pages in one request; the limit is {MAX_KEYS_PER_REQUEST}")
+    for i, page in enumerate(raw):
+        if not isinstance(page, int) or isinstance(page, bool):
+            raise WireError(ErrorCode.PROTOCOL_ERROR, f"pages[{i}] must be int, not {type(page).__name__}")
+        if not 0 <= page <= MAX_PAGE_ID:
+            raise WireError(ErrorCode.INVALID_ARGUMENT, f"pages[{i}] = {page} is not a page id")
     return tuple(raw)
 
 
@@ -321,7 +357,7 @@ def decode_request(frame: bytes) -> Request:
                         f"frame of {len(frame)} bytes; the limit is {MAX_FRAME_BYTES}")
     msg = _unpack_map(frame)
     version = msg.get("v")
-    if version != VERSION or isinstance(version, bool):
+    if type(version) is not int or version != VERSION:  # not 2.0, not True
         raise WireError(ErrorCode.VERSION_MISMATCH,
                         f"protocol version {version!r}; this daemon speaks {VERSION}")
     rid = _field(msg, "id", (int,))
@@ -340,7 +376,13 @@ def decode_request(frame: bytes) -> Request:
             raise WireError(ErrorCode.PERMISSION_DENIED, f"{op.value} needs the admin token")
         session = _field(msg, "session", (int,))
         namespace = _field(msg, "namespace", (str,)) if op is Op.CLEAR else None
-        return AdminRequest(op, rid, session, token, namespace)
+        target = None
+        if op is Op.EVICT_SESSION:
+            target = _field(msg, "target", (str,)).lower()
+            if len(target) != 8 or any(c not in "0123456789abcdef" for c in target):
+                raise WireError(ErrorCode.INVALID_ARGUMENT,
+                                f"target must be a session's 8-hex-digit handle, not {target[:20]!r}")
+        return AdminRequest(op, rid, session, token, namespace, target)
     session = _field(msg, "session", (int,))
     if op in _KEY_OPS:
         missing_ok = _field(msg, "missing_ok", (bool,), optional=True) if op is Op.ABORT else None
@@ -348,6 +390,8 @@ def decode_request(frame: bytes) -> Request:
         wait = _field(msg, "wait", (bool,), optional=True) if op in (Op.LOOKUP, Op.PREFETCH) else None
         return KeysRequest(op, rid, session, _keys(msg), bool(missing_ok), bool(remote),
                            wait is not False)
+    if op is Op.UNPIN:
+        return PagesRequest(op, rid, session, _pages(msg))
     if op is Op.EVENTS:
         return EventsRequest(op, rid, session, _field(msg, "after", (int,)), _limit(msg))
     if op is Op.KEYS:

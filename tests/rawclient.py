@@ -6,6 +6,7 @@ the client library can never mask (or fake) a daemon behaviour.
 
 from __future__ import annotations
 
+import fcntl
 import os
 from typing import Any
 
@@ -14,6 +15,7 @@ import zmq
 from hisparse import protocol
 from hisparse.layout import KVLayout
 from hisparse.protocol import Op, Reply
+from hisparse.shm.fence import fence_dir_for
 from hisparse.shm.region import RegionGeometry, RegionMap
 
 
@@ -28,6 +30,7 @@ class RawClient:
         self.session: int | None = None
         self.hello_reply: dict[str, Any] | None = None
         self._region: RegionMap | None = None
+        self.fence_fd: int | None = None
 
     def send_raw(self, frame: bytes | list[bytes]) -> Reply | None:
         """Send frame(s) as they are; the reply, or None when none came in time."""
@@ -52,11 +55,27 @@ class RawClient:
         return self.request(op, **fields).result()
 
     def hello(self, namespace: str | None = None, layout: KVLayout | None = None,
-              capacity_bytes: int | None = None) -> dict[str, Any]:
+              capacity_bytes: int | None = None, *, fence: bool = True) -> dict[str, Any]:
+        """Open a session; with a namespace, lock its fence (``fence=False``: leave it unlocked)."""
         self.hello_reply = self.call(Op.HELLO, namespace=namespace, layout=layout,
                                      capacity_bytes=capacity_bytes, client=f"test pid {os.getpid()}")
         self.session = self.hello_reply["session"]
+        self.release_fence()
+        if fence and self.hello_reply.get("fence"):
+            self.fence_fd = os.open(self.fence_path, os.O_RDONLY | os.O_CLOEXEC)
+            fcntl.flock(self.fence_fd, fcntl.LOCK_SH)
         return self.hello_reply
+
+    @property
+    def fence_path(self) -> str:
+        assert self.hello_reply and self.hello_reply["fence"]
+        return os.path.join(fence_dir_for(self.socket_path), self.hello_reply["fence"])
+
+    def release_fence(self) -> None:
+        """Let go of the fence, as this process exiting would."""
+        if self.fence_fd is not None:
+            os.close(self.fence_fd)
+            self.fence_fd = None
 
     def region(self) -> RegionMap:
         if self._region is None:
@@ -88,6 +107,7 @@ class RawClient:
         return len(mine)
 
     def close(self) -> None:
+        self.release_fence()
         if self._region is not None:
             self._region.close()
         self.sock.close(linger=0)

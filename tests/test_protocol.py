@@ -8,6 +8,8 @@ import pytest
 from hisparse import KVLayout, errors, protocol
 from hisparse.protocol import ErrorCode, Op, WireError
 
+V = protocol.VERSION
+
 
 def pack(**msg) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
@@ -25,9 +27,14 @@ def test_every_op_round_trips():
                                                             capacity_bytes=1 << 30, client="x"))
     assert (hello.namespace, hello.layout, hello.capacity_bytes) == ("m", layout, 1 << 30)
     keys = [b"\x01" * 36, b"\x02"]
-    for op in (Op.LOOKUP, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN, Op.UNPIN):
+    for op in (Op.LOOKUP, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN):
         req = protocol.decode_request(protocol.encode_request(op, 5, session=9, keys=keys))
         assert (req.op, req.id, req.session, req.keys) == (op, 5, 9, tuple(keys))
+    unpin = protocol.decode_request(protocol.encode_request(Op.UNPIN, 5, session=9, pages=[3, 3, 0]))
+    assert unpin.pages == (3, 3, 0)  # by page: a page pinned twice is unpinned twice
+    evict = protocol.decode_request(protocol.encode_request(Op.EVICT_SESSION, 1, session=3, token="t",
+                                                            target="0123ABCD"))
+    assert (evict.token, evict.target) == ("t", "0123abcd")
     for op in (Op.HEARTBEAT, Op.STATS, Op.BYE):
         assert protocol.decode_request(protocol.encode_request(op, 2, session=3)).session == 3
     ev = protocol.decode_request(protocol.encode_request(Op.EVENTS, 1, session=3, after=7, limit=10))
@@ -36,7 +43,7 @@ def test_every_op_round_trips():
                                                             namespace="m"))
     assert (clear.token, clear.namespace) == ("t", "m")
     assert set(protocol.REPLY_FIELDS) == set(Op)
-    alias = protocol.decode_request(pack(v=1, id=1, op="hello", namespace="m", layout=layout.to_wire(),
+    alias = protocol.decode_request(pack(v=V, id=1, op="hello", namespace="m", layout=layout.to_wire(),
                                          capacity="2GiB"))
     assert alias.capacity_bytes == 2 << 30
 
@@ -45,32 +52,39 @@ def test_every_op_round_trips():
     (b"", ErrorCode.PROTOCOL_ERROR),
     (b"\xc1\xff", ErrorCode.PROTOCOL_ERROR),
     (msgpack.packb([1, 2]), ErrorCode.PROTOCOL_ERROR),
-    (pack(v=1, id=1), ErrorCode.PROTOCOL_ERROR),  # no op
-    (pack(v=2, id=1, op="ping"), ErrorCode.VERSION_MISMATCH),
+    (pack(v=V, id=1), ErrorCode.PROTOCOL_ERROR),  # no op
+    (pack(v=V + 1, id=1, op="ping"), ErrorCode.VERSION_MISMATCH),
+    (pack(v=float(V), id=1, op="ping"), ErrorCode.VERSION_MISMATCH),  # 2.0 is not version 2
     (pack(id=1, op="ping"), ErrorCode.VERSION_MISMATCH),
     (pack(v=True, id=1, op="ping"), ErrorCode.VERSION_MISMATCH),
-    (pack(v=1, id="1", op="ping"), ErrorCode.PROTOCOL_ERROR),
-    (pack(v=1, id=1, op="explode"), ErrorCode.UNKNOWN_OP),
-    (pack(v=1, id=1, op=7), ErrorCode.PROTOCOL_ERROR),
-    (pack(v=1, id=1, op="lookup", keys=[b"k"]), ErrorCode.PROTOCOL_ERROR),  # no session
-    (pack(v=1, id=1, op="lookup", session="s", keys=[b"k"]), ErrorCode.PROTOCOL_ERROR),
-    (pack(v=1, id=1, op="lookup", session=1, keys=b"k"), ErrorCode.PROTOCOL_ERROR),
-    (pack(v=1, id=1, op="lookup", session=1, keys=["text"]), ErrorCode.PROTOCOL_ERROR),
-    (pack(v=1, id=1, op="lookup", session=1, keys=[b""]), ErrorCode.INVALID_ARGUMENT),
-    (pack(v=1, id=1, op="lookup", session=1, keys=[b"x" * 65]), ErrorCode.INVALID_ARGUMENT),
-    (pack(v=1, id=1, op="lookup", session=1, keys=[b"x"] * (protocol.MAX_KEYS_PER_REQUEST + 1)),
+    (pack(v=V, id="1", op="ping"), ErrorCode.PROTOCOL_ERROR),
+    (pack(v=V, id=1, op="explode"), ErrorCode.UNKNOWN_OP),
+    (pack(v=V, id=1, op=7), ErrorCode.PROTOCOL_ERROR),
+    (pack(v=V, id=1, op="lookup", keys=[b"k"]), ErrorCode.PROTOCOL_ERROR),  # no session
+    (pack(v=V, id=1, op="lookup", session="s", keys=[b"k"]), ErrorCode.PROTOCOL_ERROR),
+    (pack(v=V, id=1, op="lookup", session=1, keys=b"k"), ErrorCode.PROTOCOL_ERROR),
+    (pack(v=V, id=1, op="lookup", session=1, keys=["text"]), ErrorCode.PROTOCOL_ERROR),
+    (pack(v=V, id=1, op="lookup", session=1, keys=[b""]), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=V, id=1, op="lookup", session=1, keys=[b"x" * 65]), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=V, id=1, op="lookup", session=1, keys=[b"x"] * (protocol.MAX_KEYS_PER_REQUEST + 1)),
      ErrorCode.INVALID_ARGUMENT),
-    (pack(v=1, id=1, op="clear", session=1, namespace="m"), ErrorCode.PERMISSION_DENIED),
-    (pack(v=1, id=1, op="shutdown"), ErrorCode.PERMISSION_DENIED),
-    (pack(v=1, id=1, op="hello", namespace="m"), ErrorCode.PROTOCOL_ERROR),  # no layout
-    (pack(v=1, id=1, op="hello", namespace="m", layout={"num_layers": 0, "block_tokens": 1,
+    (pack(v=V, id=1, op="clear", session=1, namespace="m"), ErrorCode.PERMISSION_DENIED),
+    (pack(v=V, id=1, op="shutdown"), ErrorCode.PERMISSION_DENIED),
+    (pack(v=V, id=1, op="hello", namespace="m"), ErrorCode.PROTOCOL_ERROR),  # no layout
+    (pack(v=V, id=1, op="hello", namespace="m", layout={"num_layers": 0, "block_tokens": 1,
                                                          "row_bytes": 1}), ErrorCode.INVALID_ARGUMENT),
-    (pack(v=1, id=1, op="hello", namespace="", layout={}), ErrorCode.INVALID_ARGUMENT),
-    (pack(v=1, id=1, op="events", session=1, after=0, limit=0), ErrorCode.INVALID_ARGUMENT),
-    (pack(v=1, id=1, op="hello", namespace="m", layout={"num_layers": 1, "block_tokens": 1,
+    (pack(v=V, id=1, op="hello", namespace="", layout={}), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=V, id=1, op="events", session=1, after=0, limit=0), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=V, id=1, op="hello", namespace="m", layout={"num_layers": 1, "block_tokens": 1,
                                                          "row_bytes": 1}, capacity="lots"),
      ErrorCode.INVALID_ARGUMENT),
-    (pack(v=1, id=1, op="keys", session=1, cursor=-1), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=V, id=1, op="keys", session=1, cursor=-1), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=V, id=1, op="unpin", session=1, keys=[b"k"]), ErrorCode.PROTOCOL_ERROR),  # pages, not keys
+    (pack(v=V, id=1, op="unpin", session=1, pages=[-1]), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=V, id=1, op="unpin", session=1, pages=[1 << 40]), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=V, id=1, op="unpin", session=1, pages=[True]), ErrorCode.PROTOCOL_ERROR),
+    (pack(v=V, id=1, op="evict_session", session=1, token="t", target="xyz"), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=V, id=1, op="evict_session", session=1, target="01234567"), ErrorCode.PERMISSION_DENIED),
 ])
 def test_rejections_have_typed_codes(frame, code):
     assert code_of(frame) == code
@@ -83,7 +97,7 @@ def test_oversized_frame_is_refused_before_decoding():
 
 
 def test_request_id_is_recovered_from_bad_requests():
-    assert protocol.request_id(pack(v=1, id=42, op="nope")) == 42
+    assert protocol.request_id(pack(v=V, id=42, op="nope")) == 42
     assert protocol.request_id(b"\xc1") is None
 
 
@@ -94,6 +108,7 @@ def test_error_codes_map_to_the_contract_classes():
         ErrorCode.CAPACITY: errors.CapacityError,
         ErrorCode.INVALID_ARGUMENT: errors.InvalidArgument,
         ErrorCode.NOT_HELD: errors.InvalidArgument,
+        ErrorCode.NOT_FENCED: errors.InvalidArgument,
         ErrorCode.UNKNOWN_SESSION: errors.LeaseExpired,
         ErrorCode.SHUTTING_DOWN: errors.DaemonUnavailable,
     }

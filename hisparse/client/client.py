@@ -10,6 +10,13 @@ client's timeout. Reservations and pins of a lost session are gone: ``store``
 and ``load`` redo their whole reserve/pin step, a ``Pin`` raises
 ``LeaseExpired``.
 
+Fencing (``hisparse.client.fence``): right after ``hello`` the client locks
+its session's fence file, and every copy into or out of the region holds a
+reference on it. The daemon reuses an ended session's pages only once that
+lock is gone, so a thread stalled mid-copy past its lease, or across a
+daemon restart, can only ever touch pages nobody else has been given; and
+each path checks the fence before it trusts what it copied.
+
 Page bytes never cross the socket: ``store`` is reserve -> copy into the
 region -> commit (abort on any failure in between, so no partial page is
 ever visible), ``load`` is pin -> copy out -> unpin.
@@ -27,12 +34,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hisparse.client import backends
+from hisparse.client.fence import Fence
 from hisparse.client.pins import Pin
 from hisparse.client.regions import acquire_region, release_region
 from hisparse.client.transport import Transport, default_socket_path
-from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired, Timeout
+from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired, ProtocolError, Timeout
 from hisparse.layout import KVLayout, parse_size
 from hisparse.protocol import MAX_KEYS_PER_REQUEST, SLOT_BUSY, Op
+from hisparse.shm.fence import fence_dir_for
 from hisparse.shm.region import RegionMap
 
 if TYPE_CHECKING:
@@ -54,6 +63,17 @@ class ClientSession:
     region: RegionMap
     region_key: tuple[str, int]
     lease_ttl_s: float
+    fence: Fence  # locked while any thread (or a job handed to another process) may touch its pages
+
+    @property
+    def fence_path(self) -> str:
+        """For another process that copies for this session: ``hisparse.client.fence.hold(path)``."""
+        return self.fence.path
+
+    @property
+    def handle(self) -> str:
+        """The 8 hex digits logs and ``hisparsectl`` show for this session."""
+        return f"{self.id:016x}"[:8]
 
 
 def attach(namespace: str, layout: KVLayout, socket: str | None = None,
@@ -114,8 +134,16 @@ class Client:
         body = self._transport.call(Op.HELLO, self.timeout_s, namespace=self.namespace,
                                     layout=self.layout, capacity_bytes=self._capacity_bytes,
                                     client=self._name)
-        region, key = acquire_region(body.get("region"), self.layout, populate=self._populate)
-        return ClientSession(int(body["session"]), region, key, float(body["lease_ttl_s"]))
+        name = body.get("fence")
+        if not isinstance(name, str) or "/" in name or not name:
+            raise ProtocolError(f"hello reply names no fence file: {name!r}")
+        fence = Fence(os.path.join(fence_dir_for(self.socket_path), name))
+        try:
+            region, key = acquire_region(body.get("region"), self.layout, populate=self._populate)
+        except BaseException:
+            fence.retire()
+            raise
+        return ClientSession(int(body["session"]), region, key, float(body["lease_ttl_s"]), fence)
 
     def _rehello(self, lost: ClientSession) -> ClientSession:
         with self._hello_lock:
@@ -126,9 +154,11 @@ class Client:
             fresh = self._hello()
             self._session = fresh
             release_region(lost.region_key)
+            # Threads still copying under the lost session keep its fence until they are done.
+            lost.fence.retire()
             self._count(reconnects=1)
-            log.info("session on %r lost (daemon restart or lease expiry); reattached as %#x",
-                     self.namespace, fresh.id)
+            log.info("session %s on %r lost (daemon restart or lease expiry); reattached as %s",
+                     lost.handle, self.namespace, fresh.handle)
             return fresh
 
     def _session_is_live(self, session: ClientSession) -> bool:
@@ -264,7 +294,6 @@ class Client:
         busy_deadline = None
         poll_s = BUSY_POLL_MIN_S
         while todo:
-            reserved_at = time.monotonic()  # before sending: the daemon renews the lease later
             body, session = self._reserve([keys[i] for i in todo])
             slots = body["slots"]
             full = full or len(slots) < len(todo)
@@ -272,7 +301,7 @@ class Client:
             busy = [todo[j] for j, s in enumerate(slots) if s == SLOT_BUSY]
             if mine:
                 try:
-                    self._write(session, keys, pages, mine, backend, reserved_at)
+                    self._write(session, keys, pages, mine, backend)
                 except LeaseExpired:
                     lost += 1
                     if lost > LOST_SESSION_RETRIES:
@@ -312,18 +341,17 @@ class Client:
             raise
 
     def _write(self, session: ClientSession, keys: list[bytes], pages: Any,
-               mine: list[tuple[int, int]], backend: backends.Backend, reserved_at: float) -> None:
+               mine: list[tuple[int, int]], backend: backends.Backend) -> None:
         """Copy reserved pages in and commit them; abort them on any failure before the commit."""
         mine_keys = [keys[i] for i, _ in mine]
-        if time.monotonic() - reserved_at > session.lease_ttl_s / 2:
-            # Stalled since the reserve: the lease may have run out and the pages
-            # gone to another writer. Never write into pages that may not be ours.
-            self._abort_quietly(session, mine_keys)
-            raise Timeout(f"store: {len(mine)} reserved pages went unwritten for over half the "
-                          f"lease ({session.lease_ttl_s / 2:.1f}s); aborted, nothing written")
         try:
-            backend.scatter(session.region, np.array([p for _, p in mine], dtype=np.int64), pages,
-                            np.array([i for i, _ in mine], dtype=np.int64))
+            # The fence keeps these pages ours however long this thread stalls
+            # in the copy; the daemon refuses the commit if the lease ran out.
+            with session.fence.use("store"):
+                backend.scatter(session.region, np.array([p for _, p in mine], dtype=np.int64),
+                                pages, np.array([i for i, _ in mine], dtype=np.int64))
+        except LeaseExpired:
+            raise
         except BaseException:
             self._abort_quietly(session, mine_keys)
             raise
@@ -355,15 +383,22 @@ class Client:
             if not pinned:
                 return 0
             try:
-                backend.gather(session.region, page_ids, out[:len(pinned)])
+                with session.fence.use("load"):
+                    backend.gather(session.region, page_ids, out[:len(pinned)])
+                    # Lost mid-copy (lease, restart): the fence kept the pages
+                    # unchanged, but a lost hold is never trusted: copy again.
+                    session.fence.check("load")
+            except LeaseExpired:
+                if attempt == LOST_SESSION_RETRIES:
+                    raise
+                continue
             except BaseException:
-                self._unpin_quietly(session, pinned)
+                self._unpin_quietly(session, page_ids)
                 raise
             try:
-                self._unpin(session, pinned)
+                self._unpin(session, page_ids)
             except LeaseExpired:
-                # The pins died with the session mid-copy: the pages may have been
-                # evicted and reused under us, so the copy is not trusted.
+                # The pins died with the session mid-copy: the copy is not trusted.
                 if attempt == LOST_SESSION_RETRIES:
                     raise
                 continue
@@ -398,15 +433,18 @@ class Client:
             return session, keys[:len(pages)], np.asarray(pages, dtype=np.int64)
         raise LeaseExpired("pin: the session was lost repeatedly")
 
-    def _unpin(self, session: ClientSession, keys: list[bytes]) -> None:
-        for chunk in _chunks(keys):
-            self._call_in(session, Op.UNPIN, keys=chunk)
+    def _unpin(self, session: ClientSession, page_ids: Any) -> None:
+        """Unpin by page id, as the pin replies named them (a key may sit in two pages)."""
+        pages = [int(p) for p in page_ids]
+        for start in range(0, len(pages), MAX_KEYS_PER_REQUEST):
+            self._call_in(session, Op.UNPIN, pages=pages[start:start + MAX_KEYS_PER_REQUEST])
 
-    def _unpin_quietly(self, session: ClientSession, keys: list[bytes]) -> None:
+    def _unpin_quietly(self, session: ClientSession, page_ids: Any) -> None:
         try:
-            self._unpin(session, keys)
+            self._unpin(session, page_ids)
         except HisparseError as exc:
-            log.warning("unpin of %d pages failed (%s); they are released with the lease", len(keys), exc)
+            log.warning("unpin of %d pages failed (%s); they are released with the session",
+                        len(page_ids), exc)
 
     def layer_rows(self, layer: int, device: Any = None) -> torch.Tensor:
         """uint8 ``[N*block_tokens, row_bytes]``: one layer's slab of the region (no copy).
@@ -452,6 +490,9 @@ class Client:
         if self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=self.timeout_s)
         session = self._session
+        # Let go of the fence first (unless a Pin or a copy still uses it), so
+        # that the daemon frees this session's pages at once on the bye.
+        session.fence.retire()
         try:
             self._call_in(session, Op.BYE, timeout_s=min(self.timeout_s, 1.0))
         except HisparseError as exc:

@@ -4,17 +4,20 @@
 ``with`` block (or ``release()``) unpins. While it is held, ``view(i)`` is a
 strided view of page ``i`` in the mapped region, with no copy.
 
-Pins belong to the session that took them. If that session is lost (the
-daemon restarted, or the lease expired), the daemon has already dropped
-them and the pages may be evicted and rewritten: ``view`` then raises
-``LeaseExpired`` rather than hand out bytes that may no longer be the
-key's, and ``release`` has nothing left to do. Pin again to go on.
+Pins belong to the session that took them, and a ``Pin`` holds a reference
+on that session's fence until it is released (or garbage collected). If the
+session is lost (the daemon restarted, the lease expired while this process
+was stalled), the daemon has dropped the pins but keeps the pages fenced
+while this ``Pin`` lives; ``held`` turns False (one read of the fence file)
+and ``view`` raises ``LeaseExpired`` rather than hand out bytes under a hold
+that is gone. ``release`` then has nothing left to unpin. Pin again to go on.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,6 +43,10 @@ class Pin:
         self.page_ids.flags.writeable = False
         self._released = False
         self._lock = threading.Lock()
+        # The fence stays locked while this pin may be read, even if the user
+        # forgets to release it (then until it is garbage collected).
+        session.fence.acquire()
+        self._finalizer = weakref.finalize(self, session.fence.release)
 
     @property
     def count(self) -> int:
@@ -52,16 +59,17 @@ class Pin:
     @property
     def held(self) -> bool:
         """True while this pin is neither released nor lost with its session."""
-        return not self._released and self._client._session_is_live(self._session)
+        return (not self._released and self._client._session_is_live(self._session)
+                and self._session.fence.live)
 
     def _check_held(self) -> None:
         if self._released:
             raise InvalidArgument("this pin was released")
         if self._client._closed:
             raise InvalidArgument("the client that took this pin is closed")
-        if not self._client._session_is_live(self._session):
+        if not self._client._session_is_live(self._session) or not self._session.fence.live:
             raise LeaseExpired("the session that took this pin is gone (daemon restart or lease "
-                               "expiry); its pages may have been reused: pin again")
+                               "expiry); its pins are lost: pin again")
 
     def view(self, i: int) -> torch.Tensor:
         """uint8 ``[num_layers, block_tokens*row_bytes]``: page ``i`` in the region (no copy).
@@ -82,8 +90,13 @@ class Pin:
             if self._released:
                 return
             self._released = True
-        if self.count and self._client._session_is_live(self._session):
-            self._client._unpin(self._session, self.keys)
+        try:
+            if self.count and self._client._session_is_live(self._session) and self._session.fence.live:
+                self._client._unpin(self._session, self.page_ids)
+        except LeaseExpired:
+            pass  # lost with its session meanwhile: nothing left to unpin
+        finally:
+            self._finalizer()  # the fence reference, exactly once
 
     def __enter__(self) -> Pin:
         return self

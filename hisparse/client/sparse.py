@@ -18,6 +18,15 @@ rows as they are, hot rows where the position is already hot, missing rows
 pulled from the layer's host slab into least recently used hot rows.
 ``release`` gives everything back.
 
+Fencing: every spilled page is pinned under the client's session, and the
+pins hold that session's fence. Before each resolve the session checks the
+fence (one memory read); when the session was lost (lease expiry while the
+engine stalled, a daemon restart) it re-pins every request's spilled keys
+on the new session and rewrites the host page table before any row is read
+through it. A request whose keys cannot all be pinned again is failed
+(``RequestsLost``, its host pages cleared so its rows resolve to ``-1``,
+never to another request's bytes); the engine releases it.
+
 The tables live in fixed-shape device tensors of ``max_reqs`` slots, live
 requests compacted into slots ``0..n-1`` (the kernel treats the rest as
 padding through ``num_real_reqs``). They change only when a request is
@@ -36,11 +45,24 @@ from typing import Any
 
 import torch
 
-from hisparse.client.client import Client
+from hisparse.client.client import Client, ClientSession
 from hisparse.client.pins import Pin
-from hisparse.errors import CapacityError, InvalidArgument
+from hisparse.errors import CapacityError, HisparseError, InvalidArgument, LeaseExpired
+from hisparse.protocol import Op
 
 Resolver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class RequestsLost(LeaseExpired):
+    """Requests whose spilled pages could not be held again after their session was lost.
+
+    Their rows resolve to ``-1`` from now on; the engine should release them
+    (``SparseSession.release``) and recompute. ``request_ids`` names them.
+    """
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
 
 
 class BlockAllocator:
@@ -95,6 +117,7 @@ class SparseRequest:
     host_pages: list[int] = field(default_factory=list)  # region page per logical block, -1
     pins: list[Pin] = field(default_factory=list)
     released: bool = False
+    lost: bool = False  # its host pages could not be held again: resolves to -1, release it
 
     @property
     def num_blocks(self) -> int:
@@ -140,9 +163,12 @@ class SparseSession:
         self.hot_tags = torch.full((L, B, H), -1, dtype=torch.int32, device=dev)
         self.hot_stamp = torch.zeros((L, B, H), dtype=torch.int64, device=dev)
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._host_rows = [client.layer_rows(layer, device=None if self.device.type == "cpu"
-                                             else self.device)
-                           for layer in range(layout.num_layers)]
+        self._holds_session: ClientSession = client.session  # every pin below is of this one
+        self._host_rows = self._map_host_rows()
+
+    def _map_host_rows(self) -> list[torch.Tensor]:
+        device = None if self.device.type == "cpu" else self.device
+        return [self.client.layer_rows(layer, device=device) for layer in range(self.layout.num_layers)]
 
     # -- request lifecycle --
 
@@ -192,8 +218,13 @@ class SparseSession:
         if not todo:
             return 0
         keys = [req.keys[b] for b in todo]
+        self.check_holds()  # earlier pins first: all of a request's pins under one session
         self.client.store(keys, self._gather_pages([req.blocks[b] for b in todo]))
         pin = self.client.pin(keys)
+        if pin._session is not self._holds_session:  # lost between check and pin
+            pin.release()
+            self.check_holds()
+            pin = self.client.pin(keys)
         if pin.count == 0:
             pin.release()
             return 0
@@ -267,6 +298,7 @@ class SparseSession:
         """
         if list(reqs) != self.batch:
             raise InvalidArgument("resolve takes the session's batch, in slot order (session.batch)")
+        self.check_holds()
         B = topk.shape[0] if topk.dim() == 3 else -1
         if not len(self.batch) <= B <= self.max_reqs:
             raise InvalidArgument(f"topk must be int32 [B, Q, K] with {len(self.batch)} <= B <= "
@@ -282,6 +314,59 @@ class SparseSession:
             block_tokens=self.layout.block_tokens, hot_rows=self.hot_rows[:B],
             hot_tags=self.hot_tags[layer, :B], hot_stamp=self.hot_stamp[layer, :B], step=step,
             kv_rows=self.kv_caches[layer], **kwargs)
+
+
+    # -- fencing --
+
+    def check_holds(self) -> None:
+        """Make sure every spilled page is held by the client's current session.
+
+        Free when nothing was lost (one read of the fence). Otherwise re-pins
+        each request's spilled keys on the current session and rewrites its
+        host page table; raises ``RequestsLost`` naming the requests that could
+        not be held again (their host pages are cleared first).
+        """
+        session = self.client.session
+        if session is self._holds_session and session.fence.live:
+            return
+        if not session.fence.live:
+            # Lost while this process stalled: a call re-attaches the client.
+            try:
+                _, session = self.client.request(Op.HEARTBEAT)
+            except LeaseExpired:
+                session = self.client.session
+        lost = [req.request_id for req in self.batch if not req.lost and not self._repin(req)]
+        if session.region is not self._holds_session.region:
+            self._host_rows = self._map_host_rows()  # the daemon re-created the region
+        self._holds_session = session
+        if lost:
+            raise RequestsLost(f"{len(lost)} requests lost their host pages with their session "
+                               f"(lease expiry or daemon restart): {lost[:8]}; release them", lost)
+
+    def _repin(self, req: SparseRequest) -> bool:
+        blocks = [b for b, page in enumerate(req.host_pages) if page >= 0]
+        if not blocks:
+            return True
+        keys = [req.keys[b] for b in blocks]
+        try:
+            pin = self.client.pin(keys)
+        except HisparseError:
+            pin = None
+        if pin is None or pin.count < len(keys):
+            if pin is not None:
+                pin.release()
+            req.lost = True
+            self.host_pages[req.slot].fill_(-1)  # rows resolve to -1, never to others' bytes
+            return False
+        for old in req.pins:
+            old.release()
+        req.pins = [pin]
+        for b, page in zip(blocks, pin.page_ids.tolist()):
+            req.host_pages[b] = page
+        idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        self.host_pages[req.slot].index_copy_(0, idx, torch.tensor(
+            [req.host_pages[b] for b in blocks], dtype=torch.int64, device=self.device))
+        return True
 
 
 def _default_resolver(device: torch.device) -> Resolver:

@@ -12,6 +12,15 @@ while the daemon is away. ``ZMQ_IMMEDIATE`` keeps requests off a connection
 that is not up, so a request made while the daemon is away waits (bounded by
 its timeout) instead of being queued for a daemon that restarts later and
 knows nothing of the session it names.
+
+A request in flight when the daemon goes away is not waited out: a socket
+monitor reports the disconnect, and the same frame is sent again as soon as
+a daemon answers the connection (the same one restarted). That is safe for
+every op: ``hello`` and ``ping`` need no session, and an op that names one
+gets ``UNKNOWN_SESSION`` from a new daemon (sessions are bound to their
+connection, so a reconnect ends them even on the same daemon), which the
+client answers with a new ``hello``. A request whose first send may have
+been applied before the drop is never applied twice for the same session.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from hisparse import protocol
 from hisparse.errors import DaemonUnavailable, InvalidArgument
@@ -36,6 +46,8 @@ __all__ = ["Transport", "default_socket_path", "endpoint_for", "ping", "wait_for
 
 RECONNECT_IVL_MS = 50
 RECONNECT_IVL_MAX_MS = 500  # a restarted daemon is found within half a second
+MAX_RESENDS = 3  # a request re-sent after this many connection drops in one call gives up
+_MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
 
 
@@ -63,6 +75,11 @@ class Transport:
         self._ids = itertools.count(int.from_bytes(os.urandom(3), "little") + 1)
         self._closed = False
         self._sock = self._open_socket()
+        self._monitor = self._sock.get_monitor_socket(_MONITORED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._up = False  # a daemon has completed the handshake on the current connection
 
     def _open_socket(self) -> zmq.Socket:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -91,8 +108,9 @@ class Transport:
                 raise DaemonUnavailable(f"transport to {self.socket_path} is closed")
             rid = next(self._ids)
             frame = protocol.encode_request(op, rid, **fields)
+            self._connection_dropped()  # forget drops from before this call
             self._send(frame, op, deadline)
-            reply = self._receive(rid, op, deadline)
+            reply = self._receive(rid, op, frame, deadline)
         finally:
             self._lock.release()
         return reply.result()
@@ -110,22 +128,49 @@ class Transport:
                 raise DaemonUnavailable(
                     f"no daemon is listening on {self.socket_path} ({op.value} not sent)")
 
-    def _receive(self, rid: int, op: Op, deadline: float) -> protocol.Reply:
+    def _connection_dropped(self) -> bool:
+        """Apply queued connection events; True when the connection dropped since the last look."""
+        dropped = False
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return dropped
+            if event == zmq.EVENT_DISCONNECTED:
+                dropped, self._up = True, False
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._up = True
+
+    def _receive(self, rid: int, op: Op, frame: bytes, deadline: float) -> protocol.Reply:
+        lost = False  # the request went to a connection that dropped: send it again
+        resends = 0
         while True:
             remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLIN):
+            ready = dict(self._poller.poll(remaining_ms)) if remaining_ms > 0 else {}
+            if not ready:
                 raise DaemonUnavailable(
                     f"the daemon on {self.socket_path} did not answer {op.value} in time")
-            reply = protocol.decode_reply(self._sock.recv())
-            if reply.id == rid:
-                return reply
-            # The answer to a request that timed out before: nobody waits for it.
-            log.debug("dropping a stale reply %s while waiting for %s", reply.id, rid)
+            if self._monitor in ready and self._connection_dropped():
+                lost = True
+            if lost and self._up and resends < MAX_RESENDS:
+                # A daemon (the restarted one) answers the connection again.
+                log.debug("connection to %s dropped during %s; sending it again", self.socket_path,
+                          op.value)
+                self._send(frame, op, deadline)
+                lost, resends = False, resends + 1
+            if self._sock in ready:
+                reply = protocol.decode_reply(self._sock.recv())
+                if reply.id == rid:
+                    return reply
+                # The answer to a request that timed out before: nobody waits for it.
+                log.debug("dropping a stale reply %s while waiting for %s", reply.id, rid)
 
     def close(self) -> None:
         with self._lock:
             if not self._closed:
                 self._closed = True
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
                 self._sock.close(linger=0)
 
 

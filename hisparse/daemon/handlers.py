@@ -21,12 +21,15 @@ from typing import Any
 import hisparse
 from hisparse.daemon.config import Config
 from hisparse.daemon.namespaces import Registry
-from hisparse.daemon.sessions import Session, SessionTable
+from hisparse.daemon.sessions import PinHold, Session, SessionTable, Zombie
+from hisparse.daemon.proclocks import lock_holders
 from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch
+from hisparse.shm.fence import FENCE_DIR_MODE, fence_dir_for
 from hisparse.protocol import (
     VERSION,
     AdminRequest,
     ErrorCode,
+    PagesRequest,
     EventsRequest,
     HelloRequest,
     KeysPageRequest,
@@ -45,12 +48,19 @@ class DaemonContext:
     registry: Registry
     sessions: SessionTable
     admin_token: str
+    fence_dir: str = ""  # fences/ beside the socket (hisparse.shm.fence); "": derived and created
+    peer: bytes = b""  # ZeroMQ routing id of the request being handled
     started_s: float = field(default_factory=time.monotonic)
     request_shutdown: Callable[[str], None] = lambda reason: None
     evictions_since_log: dict[str, int] = field(default_factory=dict)
     cluster: Any = None  # hisparse.daemon.cluster.ClusterTier when [cluster] is on
     requests_total: int = 0
     errors_total: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.fence_dir:
+            self.fence_dir = fence_dir_for(self.config.socket)
+            os.makedirs(self.fence_dir, mode=FENCE_DIR_MODE, exist_ok=True)
 
 
 # A handler answers with the reply's ok body, or with a Future of it that the
@@ -78,7 +88,7 @@ def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, An
             raise WireError(ErrorCode.CAPACITY, str(exc)) from None
         except InvalidArgument as exc:
             raise WireError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
-    session = ctx.sessions.open(ns, req.client)
+    session = ctx.sessions.open(ns, req.client, ctx.peer, ctx.fence_dir)
     if ns is not None:
         log.info("attach: %s", session.describe())
     else:
@@ -90,6 +100,7 @@ def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, An
         "daemon_version": hisparse.__version__,
         "region": ns.region_info() if ns else None,
         "events_seq": ns.index.events.last_seq if ns else 0,
+        "fence": session.fence.name if session.fence else None,
     }
 
 
@@ -133,9 +144,24 @@ def _then(fut: Future, fn: Callable[[Any], dict[str, Any]]) -> Future:
     return out
 
 
+def _require_fence(session: Session, what: str) -> None:
+    """Refuse holds until the client's lock on its fence has been seen (once per session)."""
+    if session.fence_verified:
+        return
+    assert session.fence is not None
+    if session.fence.holder_gone():
+        raise WireError(ErrorCode.NOT_FENCED,
+                        f"{what}: lock the session's fence file ({session.fence.name}, in fences/ "
+                        "beside the socket) with flock(LOCK_SH) first; hisparse.client does")
+    session.fence_verified = True
+
+
 def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     ns = _ns(session)
+    _require_fence(session, "reserve")
     slots, evicted = ns.index.reserve(req.keys, session.reservations)
+    # The hold is on record before the reply grants it: a successor daemon fences it.
+    session.fence.add_reserved([s for s in slots if s >= 0])  # type: ignore[union-attr]
     if evicted:
         ctx.evictions_since_log[ns.name] = ctx.evictions_since_log.get(ns.name, 0) + len(evicted)
     if ctx.cluster is not None:
@@ -159,9 +185,11 @@ def _held(session: Session, keys: tuple[bytes, ...], what: str) -> list[int]:
 
 def _settle(session: Session, req: KeysRequest, what: str, apply) -> int:
     """Commit or abort reservations this session holds: all of ``req.keys`` or none."""
-    for key, page in zip(req.keys, _held(session, req.keys, what)):
+    pages = _held(session, req.keys, what)
+    for key, page in zip(req.keys, pages):
         del session.reservations[key]
         apply(key, page)
+    session.fence.clear_reserved(pages)  # type: ignore[union-attr]  (after: a crash keeps it fenced)
     return len(req.keys)
 
 
@@ -183,40 +211,47 @@ def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict
     index = _ns(session).index
     if req.missing_ok:
         held = [key for key in dict.fromkeys(req.keys) if key in session.reservations]
-        for key in held:
-            index.abort(key, session.reservations.pop(key))
+        pages = [session.reservations.pop(key) for key in held]
+        for key, page in zip(held, pages):
+            index.abort(key, page)
+        session.fence.clear_reserved(pages)  # type: ignore[union-attr]
         return {"aborted": len(held)}
     return {"aborted": _settle(session, req, "abort", index.abort)}
 
 
 def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    pages = _ns(session).index.pin(req.keys)
+    ns = _ns(session)
+    _require_fence(session, "pin")
+    pages = ns.index.pin(req.keys)
+    session.fence.add_pins(pages)  # type: ignore[union-attr]
     pins = session.pins
     for key, page in zip(req.keys, pages):
-        held = pins.get(key)
+        held = pins.get(page)
         if held is None:
-            pins[key] = [page, 1]
+            pins[page] = PinHold(key, 1)
         else:
-            held[1] += 1
+            held.count += 1
     return {"count": len(pages), "pages": pages}
 
 
-def handle_unpin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
+def handle_unpin(ctx: DaemonContext, session: Session, req: PagesRequest) -> dict[str, Any]:
     index = _ns(session).index
-    need: dict[bytes, int] = {}
-    for i, key in enumerate(req.keys):
-        need[key] = need.get(key, 0) + 1
-        held = session.pins.get(key)
-        if held is None or held[1] < need[key]:
+    need: dict[int, int] = {}
+    for i, page in enumerate(req.pages):
+        need[page] = need.get(page, 0) + 1
+        held = session.pins.get(page)
+        if held is None or held.count < need[page]:
             raise WireError(ErrorCode.NOT_HELD,
-                            f"unpin: keys[{i}] is not pinned by this session (nothing changed)")
-    for key in req.keys:
-        held = session.pins[key]
-        index.unpin(held[0])
-        held[1] -= 1
-        if held[1] == 0:
-            del session.pins[key]
-    return {"unpinned": len(req.keys)}
+                            f"unpin: pages[{i}] = {page} is not pinned by this session "
+                            "(that many times); nothing changed")
+    for page in req.pages:
+        held = session.pins[page]
+        index.unpin(page)
+        held.count -= 1
+        if held.count == 0:
+            del session.pins[page]
+    session.fence.remove_pins(list(req.pages))  # type: ignore[union-attr]
+    return {"unpinned": len(req.pages)}
 
 
 def handle_heartbeat(ctx: DaemonContext, session: Session, req: Request) -> dict[str, Any]:
@@ -224,10 +259,12 @@ def handle_heartbeat(ctx: DaemonContext, session: Session, req: Request) -> dict
 
 
 def handle_bye(ctx: DaemonContext, session: Session, req: Request) -> dict[str, Any]:
-    aborted, released = ctx.sessions.close(session)
+    reserved, pinned = len(session.reservations), session.pinned_pages
+    zombie = ctx.sessions.end(session, "bye")
     if session.namespace is not None:
-        log.info("detach: %s (aborted %d reservations, released %d pins)",
-                 session.describe(), aborted, released)
+        log.info("detach: %s (aborted %d reservations, released %d pinned pages%s)",
+                 session.describe(), reserved, pinned,
+                 "; fenced until its process lets go" if zombie else "")
     return {}
 
 
@@ -248,10 +285,37 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
         "lease_ttl_s": ctx.sessions.lease_ttl_s,
         "requests": ctx.requests_total, "errors": ctx.errors_total,
         "evicted_pages": sum(ns.index.counters.evicted_pages for ns in ctx.registry.namespaces.values()),
+        "fenced_sessions": len(ctx.sessions.zombies),
+        "fenced_sessions_released": ctx.sessions.zombies_released_total,
     }
     daemon.update(ctx.registry.stats())
     daemon["cluster"] = ctx.cluster.stats() if ctx.cluster is not None else {"backend": "none"}
-    return {"daemon": daemon, "namespaces": namespaces}
+    body: dict[str, Any] = {"daemon": daemon, "namespaces": namespaces}
+    if session.namespace is None:  # hisparsectl: who holds what, stalled ones included
+        body["sessions"] = _session_rows(ctx)
+    return body
+
+
+def _session_rows(ctx: DaemonContext) -> list[dict[str, Any]]:
+    now_s, now_unix = time.monotonic(), time.time()
+    holders = lock_holders()
+    rows: list[dict[str, Any]] = []
+    for s in ctx.sessions.sessions.values():
+        if s.namespace is None or s.fence is None:
+            continue
+        rows.append({"handle": s.handle, "namespace": s.namespace.name, "client": s.client,
+                     "state": "live", "pids": holders.get(s.fence.inode(), []),
+                     "age_s": now_s - s.opened_s, "idle_s": now_s - s.last_seen_s,
+                     "reserved_pages": len(s.reservations), "pinned_pages": s.pinned_pages,
+                     "fenced_pages": 0})
+    for z in ctx.sessions.zombies.values():
+        rows.append({"handle": z.handle, "namespace": z.namespace.name, "client": z.client,
+                     "state": "fenced", "reason": z.reason,
+                     "pids": holders.get(z.fence.inode(), []),
+                     "age_s": max(0.0, now_unix - z.opened_unix_s), "idle_s": now_s - z.ended_s,
+                     "reserved_pages": 0, "pinned_pages": len(z.pins),
+                     "fenced_pages": len(z.fenced_pages)})
+    return rows
 
 
 def handle_events(ctx: DaemonContext, session: Session, req: EventsRequest) -> dict[str, Any]:
@@ -286,6 +350,28 @@ def handle_clear(ctx: DaemonContext, session: Session, req: AdminRequest) -> dic
     return {"freed_pages": freed, "doomed_pages": doomed}
 
 
+def handle_evict_session(ctx: DaemonContext, session: Session, req: AdminRequest) -> dict[str, Any]:
+    """Free a session's pages now, whether it is live or fenced: the operator's call."""
+    _authorize(ctx, req)
+    assert req.target is not None
+    try:
+        target = ctx.sessions.find(req.target)
+    except InvalidArgument as exc:
+        raise WireError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
+    if target is None:
+        raise WireError(ErrorCode.INVALID_ARGUMENT, f"no session {req.target} (live or fenced)")
+    what = target.describe()
+    if isinstance(target, Zombie):
+        freed, released = ctx.sessions.release_zombie(target)
+    else:
+        reserved, pins = len(target.reservations), sum(h.count for h in target.pins.values())
+        ctx.sessions.evict(target)
+        freed, released = reserved, pins
+    log.warning("evict-session %s by %s: %d fenced pages freed, %d pins released",
+                what, session.describe(), freed, released)
+    return {"freed_pages": freed, "released_pins": released}
+
+
 def handle_shutdown(ctx: DaemonContext, session: Session, req: AdminRequest) -> dict[str, Any]:
     _authorize(ctx, req)
     ctx.request_shutdown(f"shutdown requested by {session.describe()}")
@@ -308,6 +394,7 @@ HANDLERS: dict[Op, Handler] = {
     Op.CLEAR: handle_clear,
     Op.SHUTDOWN: handle_shutdown,
     Op.BYE: handle_bye,
+    Op.EVICT_SESSION: handle_evict_session,
     Op.PREFETCH: handle_prefetch,
 }
 assert set(HANDLERS) == set(Op), "every op needs a handler"

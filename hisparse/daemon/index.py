@@ -6,11 +6,11 @@ daemon rebuilds this index from. Session bookkeeping (who holds which
 reservation or pin) lives in ``sessions``; this module only counts pins.
 
 Page states: FREE -> WRITING -> COMMITTED -> FREE, plus two in memory only
-(their table record is already FREE, so a restart frees them): DOOMED, a
-page ``clear`` dropped while pinned, freed at its last unpin; QUARANTINED,
-a page an expired session had reserved, freed a moment later
-(``sessions.QUARANTINE_S``), because that session's process may be stalled
-rather than dead and still be writing.
+(their table record is already FREE): DOOMED, a page ``clear`` dropped while
+pinned, freed at its last unpin; FENCED, a page an ended session had
+reserved, freed only once no process can still be writing into it (its
+fence, ``sessions.Zombie``). A restarted daemon re-fences FENCED pages from
+the fence files, not from the table.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from hisparse.shm.table import COMMITTED, FREE, WRITING, MetaTable
 log = logging.getLogger(__name__)
 
 DOOMED = 3
-QUARANTINED = 4  # an expired writer's page: not reused until its quarantine ends
+FENCED = 4  # an ended session's reservation: not reused while its process may write
 MAX_EVENTS = 1 << 18  # kept per namespace for mirrors; older ones force a resync
 
 
@@ -101,10 +101,7 @@ class NamespaceIndex:
         self.num_committed = 0
         self.num_writing = 0
         self.num_pinned_pages = 0
-        # (page, monotonic time it may be reused): pages an expired session had
-        # reserved. Its process may be alive but stalled and still write into
-        # them, so they wait a moment before anyone else gets them.
-        self.quarantine: list[tuple[int, float]] = []
+        self.num_fenced = 0
         self.counters = IndexCounters()
         self.events = EventLog()
 
@@ -229,50 +226,72 @@ class NamespaceIndex:
         self.counters.committed_pages += 1
         self.events.append(EVENT_COMMIT, key, page)
 
-    def abort(self, key: bytes, page: int, quarantine_until: float | None = None) -> None:
-        """WRITING -> FREE, never visible; or quarantined until the given monotonic time."""
+    def abort(self, key: bytes, page: int, fenced: bool = False) -> None:
+        """WRITING -> FREE, never visible; ``fenced``: FENCED until ``release_fenced``."""
         self.table.set_state(page, FREE)
         del self.keys[key]
         self.page_keys[page] = None
-        if quarantine_until is None:
+        if fenced:
+            self.state[page] = FENCED
+            self.num_fenced += 1
+        else:
             self.state[page] = FREE
             self.free.append(page)
-        else:
-            self.state[page] = QUARANTINED
-            self.quarantine.append((page, quarantine_until))
         self.num_writing -= 1
         self.counters.aborted_pages += 1
 
-    def end_quarantine(self, now: float) -> int:
-        """Free the quarantined pages whose time has come; how many."""
-        if not self.quarantine:
-            return 0
-        keep = []
-        for page, until in self.quarantine:
-            if until <= now:
-                self.state[page] = FREE
-                self.free.append(page)
-            else:
-                keep.append((page, until))
-        freed = len(self.quarantine) - len(keep)
-        self.quarantine = keep
-        return freed
+    def release_fenced(self, page: int) -> None:
+        """FENCED -> FREE: no process can write into the page any more."""
+        assert self.state[page] == FENCED, f"page {page} is not fenced"
+        self.state[page] = FREE
+        self.free.append(page)
+        self.num_fenced -= 1
+
+    def adopt_fence(self, pages: list[int], reserved: list[bool],
+                    pins: list[int]) -> tuple[list[int], dict[int, int]]:
+        """After a restart: hold the pages an earlier session's fence names.
+
+        A committed page is pinned for the fence (a commit whose hold was not
+        yet cleared counts as one pin); any other page is FENCED, taken off
+        the free list. Returns (fenced pages, pins taken by page).
+        """
+        fenced: list[int] = []
+        pinned: dict[int, int] = {}
+        for page, was_reserved, count in zip(pages, reserved, pins):
+            if not 0 <= page < self.num_pages:
+                continue
+            if self.state[page] == COMMITTED:
+                n = count + (1 if was_reserved and not count else 0)
+                for _ in range(n):
+                    self._pin_page(page)
+                pinned[page] = n
+            elif self.state[page] == FREE:
+                self.state[page] = FENCED
+                self.num_fenced += 1
+                fenced.append(page)
+        if fenced:
+            gone = set(fenced)
+            self.free = array("i", [p for p in self.free if p not in gone])
+        return fenced, pinned
 
     def pin(self, keys: tuple[bytes, ...]) -> list[int]:
         """Pin the committed prefix; returns its pages (the caller records the holds)."""
-        pins = self.pins
         pages = self._committed_prefix(keys)
         self.lru.touch_many(pages[::-1])
         for page in pages:
-            if pins[page] == 0:
-                self.num_pinned_pages += 1
-                self.lru.hold(page)
-            pins[page] += 1
+            self._pin_page(page)
         self.counters.pins += len(pages)
         return pages
 
+    def _pin_page(self, page: int) -> None:
+        if self.pins[page] == 0:
+            self.num_pinned_pages += 1
+            self.lru.hold(page)
+        self.pins[page] += 1
+
     def unpin(self, page: int) -> None:
         pins = self.pins
+        assert pins[page] > 0, f"page {page} is not pinned"
         pins[page] -= 1
         if pins[page] == 0:
             self.num_pinned_pages -= 1
@@ -366,7 +385,7 @@ class NamespaceIndex:
             "writing_pages": self.num_writing,
             "pinned_pages": self.num_pinned_pages,
             "free_pages": len(self.free),
-            "quarantined_pages": len(self.quarantine),
+            "fenced_pages": self.num_fenced,
             "lookups": c.lookups,
             "lookup_keys": c.lookup_keys,
             "hit_keys": c.hit_keys,

@@ -28,6 +28,7 @@ from hisparse.daemon.namespaces import Registry
 from hisparse.daemon.server import Server, endpoint_for
 from hisparse.daemon.sessions import SessionTable
 from hisparse.errors import HisparseError
+from hisparse.shm.fence import FENCE_DIR_MODE, fence_dir_for
 
 log = logging.getLogger("hisparse.daemon")
 
@@ -146,7 +147,16 @@ def run(cfg: config_mod.Config) -> int:
     registry = Registry(cfg)
     registry.adopt_all()
     _prepare_socket(cfg.socket)
-    ctx = DaemonContext(cfg, registry, SessionTable(cfg.lease_ttl_s), admin_token="")
+    fence_dir = fence_dir_for(cfg.socket)
+    os.makedirs(fence_dir, mode=FENCE_DIR_MODE, exist_ok=True)
+    sessions = SessionTable(cfg.lease_ttl_s)
+    # Sessions of the earlier run are gone, but their processes may still be
+    # copying: their pages stay fenced until each process lets go.
+    adopted, removed = sessions.adopt_fences(fence_dir, registry)
+    if adopted or removed:
+        log.info("fences of the earlier run: %d still held (their pages stay fenced), %d released",
+                 adopted, removed)
+    ctx = DaemonContext(cfg, registry, sessions, admin_token="", fence_dir=fence_dir)
     if cfg.cluster.enabled:
         ctx.cluster = _cluster_tier(cfg.cluster)
     endpoint = endpoint_for(cfg.socket)
@@ -167,8 +177,8 @@ def run(cfg: config_mod.Config) -> int:
         notify.notify("STOPPING=1")
         if ctx.cluster is not None:
             ctx.cluster.stop()
-        for session in list(ctx.sessions.sessions.values()):
-            ctx.sessions.close(session)
+        # Clients may be mid-copy: their fences stay, and the next daemon fences their pages.
+        ctx.sessions.detach_all()
         registry.flush()
         server.close()
         for path in (cfg.socket, cfg.token_path):

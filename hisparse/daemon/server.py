@@ -22,7 +22,6 @@ import zmq
 from hisparse import protocol
 from hisparse.daemon import notify
 from hisparse.daemon.handlers import HANDLERS, DaemonContext
-from hisparse.daemon.sessions import QUARANTINE_S
 from hisparse.protocol import ErrorCode, Op, WireError
 
 log = logging.getLogger(__name__)
@@ -32,22 +31,26 @@ EVICTION_LOG_INTERVAL_S = 5.0
 MAX_BATCH = 256  # messages handled per reader callback before yielding to timers
 
 
-def dispatch(ctx: DaemonContext, frame: bytes) -> bytes | Future:
-    """One request frame in, one reply frame out (or a Future of it). Never raises."""
+def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"") -> bytes | Future:
+    """One request frame from connection ``peer`` in, one reply frame out (or a Future of it).
+    Never raises."""
     ctx.requests_total += 1
+    ctx.peer = peer
     rid: int | None = None
     try:
         req = protocol.decode_request(frame)
         rid = req.id
         session = None
         if req.op not in protocol.SESSIONLESS_OPS:
-            session = ctx.sessions.get(req.session)  # type: ignore[arg-type]
+            session = ctx.sessions.get(req.session, peer)  # type: ignore[arg-type]
             if session is None:
+                # Never echo the id: the reply goes to whoever sent it, maybe not its owner.
                 raise WireError(ErrorCode.UNKNOWN_SESSION,
-                                f"no session {req.session}: it expired, closed, or belongs to an "
-                                "earlier daemon; send hello again")
+                                "no such session on this connection: it expired, closed, belongs "
+                                "to an earlier daemon or to another connection; send hello again")
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s id=%s session=%s", req.op.value, rid, req.session)
+            log.debug("request %s id=%s session=%s", req.op.value, rid,
+                      session.handle if session else "-")
         body = HANDLERS[req.op](ctx, session, req)
         if isinstance(body, Future):  # the cluster tier answers later
             return _deferred(ctx, rid, body)
@@ -174,7 +177,7 @@ class Server:
             reply = protocol.encode_error(None, ErrorCode.PROTOCOL_ERROR,
                                           f"expected one frame per request, got {len(body)}")
         else:
-            reply = dispatch(self.ctx, body[0])
+            reply = dispatch(self.ctx, body[0], identity)
         if isinstance(reply, Future):
             loop = asyncio.get_running_loop()
             reply.add_done_callback(lambda f: loop.call_soon_threadsafe(
@@ -206,7 +209,7 @@ class Server:
         try:
             req = protocol.decode_request(frames[-1])
             if req.op in (Op.BYE, Op.COMMIT, Op.ABORT, Op.UNPIN, Op.PING):
-                done = dispatch(self.ctx, frames[-1])  # let in-flight work finish cleanly
+                done = dispatch(self.ctx, frames[-1], frames[0])  # let in-flight work finish
                 reply = done if isinstance(done, bytes) else reply
         except WireError:
             pass
@@ -221,16 +224,24 @@ class Server:
         while True:
             await asyncio.sleep(min(REAP_INTERVAL_S, self.ctx.sessions.lease_ttl_s / 4))
             try:
-                for session, aborted, released in self.ctx.sessions.expire():
-                    log.warning("lease expired: %s silent for %.1fs; aborted %d reservations "
-                                "(their pages wait %.1fs before reuse), released %d pins",
-                                session.describe(), self.ctx.sessions.lease_ttl_s, aborted,
-                                QUARANTINE_S, released)
-                now = self.ctx.sessions.now()
-                for ns in self.ctx.registry.namespaces.values():
-                    ns.index.end_quarantine(now)
+                self._reap()
             except Exception:
                 log.error("error in the lease reaper; serving on", exc_info=True)
+
+    def _reap(self) -> None:
+        sessions = self.ctx.sessions
+        for session, zombie in sessions.expire():
+            if zombie is None:
+                log.info("lease expired: %s silent for %.1fs; its pages are free (its process "
+                         "holds no fence)", session.describe(), sessions.lease_ttl_s)
+            else:
+                log.warning("lease expired: %s silent for %.1fs; %d reserved pages and %d pinned "
+                            "pages stay fenced until its process exits or lets go",
+                            session.describe(), sessions.lease_ttl_s, len(zombie.fenced_pages),
+                            len(zombie.pins))
+        for zombie, freed, dropped in sessions.reap_zombies():
+            log.info("fence released: %s; %d fenced pages freed, %d pins dropped",
+                     zombie.describe(), freed, dropped)
 
     async def _eviction_log(self) -> None:
         while True:

@@ -1,31 +1,50 @@
-"""Sessions and their leases: who holds which reservation and which pin.
+"""Sessions, their holds, and the fences that outlive them.
 
-A session is opened by ``hello`` and lives while it is heard from: any
-request renews its lease. One silent for ``lease_ttl`` is expired: its
-reservations are aborted (never visible) and its pins released. The daemon
-never waits on a client; the reaper runs on a timer.
+A session is opened by ``hello`` and bound to the ZeroMQ connection that
+sent it: an id presented on another connection is unknown. It lives while it
+is heard from (any request renews its lease). Its holds are typed records:
+reservations by key (one page each, WRITING), pins by page (a count each),
+so a key re-stored after ``clear`` and pinned again is a second record, not
+a corrupted one.
 
-Session ids are random 62-bit numbers, so an id from an earlier daemon run
-(or a guess) is simply unknown.
+When a session ends (``bye``, lease expiry, a daemon restart) its holds are
+gone, but its pages are not free: the process may be stalled, not dead, and
+still copy into or out of them. The session becomes a ``Zombie`` that keeps
+its pages fenced (reserved pages FENCED, pins held) until its fence file's
+lock is free (``hisparse.shm.fence``): every process that may touch the pages
+has exited or let go. Only then are they freed. ``evict_session`` frees them
+on an operator's word.
+
+Session ids are random 62-bit numbers; logs and stats show only an 8-digit
+handle (the id's first hex digits), never the id itself.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
+import os
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from hisparse.daemon.namespaces import Namespace
+from hisparse.daemon.namespaces import Namespace, Registry
+from hisparse.errors import InvalidArgument
+from hisparse.shm.fence import FENCE_SUFFIX, LOST, FenceFile
 
 log = logging.getLogger(__name__)
 
-# How long an expired session's reserved pages wait before reuse. Its process
-# may be stalled, not dead; the client never starts a copy into a reservation
-# older than half the lease, so a stale write needs a stall of half a lease plus
-# this in mid-copy. Short enough that a dead client's pages are free again well
-# within lease_ttl + 1 s (the reaper runs every 0.2 s at most).
-QUARANTINE_S = 0.4
+
+def handle_of(session_id: int) -> str:
+    """The public name of a session: the first 8 of its 16 hex digits."""
+    return f"{session_id:016x}"[:8]
+
+
+@dataclass
+class PinHold:
+    key: bytes  # the key the page held when pinned (for logs; unpin goes by page)
+    count: int
 
 
 @dataclass
@@ -33,35 +52,57 @@ class Session:
     id: int
     namespace: Namespace | None  # None: an admin session (hisparsectl)
     client: str
+    peer: bytes  # ZeroMQ routing id of the connection that said hello
+    fence: FenceFile | None  # None for admin sessions, which hold nothing
     opened_s: float
     last_seen_s: float
-    reservations: dict[bytes, int] = field(default_factory=dict)  # key -> page, WRITING
-    pins: dict[bytes, list[int]] = field(default_factory=dict)  # key -> [page, count]
+    fence_verified: bool = False  # the client's lock on its fence was seen once
+    reservations: dict[bytes, int] = field(default_factory=dict)  # key -> page (WRITING)
+    pins: dict[int, PinHold] = field(default_factory=dict)  # page -> hold
+
+    @property
+    def handle(self) -> str:
+        return handle_of(self.id)
 
     def describe(self) -> str:
         ns = self.namespace.name if self.namespace else "(admin)"
-        return f"session {self.id:#x} [{self.client or 'anonymous'}] on {ns}"
+        return f"session {self.handle} [{self.client or 'anonymous'}] on {ns}"
 
-    def release_all(self, quarantine_until: float | None = None) -> tuple[int, int]:
-        """Abort every reservation and drop every pin: (aborted pages, pins released).
+    @property
+    def pinned_pages(self) -> int:
+        return len(self.pins)
 
-        ``quarantine_until``: the reserved pages wait until then before reuse
-        (an expired session's process may still be writing into them).
-        """
-        if self.namespace is None:
-            return 0, 0
+
+@dataclass
+class Zombie:
+    """An ended session whose pages stay fenced while any process may still touch them."""
+
+    handle: str
+    namespace: Namespace
+    client: str
+    fence: FenceFile
+    reason: str  # "lease expired", "bye", "daemon restart"
+    ended_s: float
+    opened_unix_s: float
+    fenced_pages: list[int]  # its reservations: FENCED, never visible, not reusable
+    pins: dict[int, int]  # page -> pins still held for it
+
+    def describe(self) -> str:
+        return (f"session {self.handle} [{self.client or 'anonymous'}] on {self.namespace.name} "
+                f"({self.reason})")
+
+    def release(self) -> tuple[int, int]:
+        """Free its pages: (fenced pages freed, pins dropped)."""
         index = self.namespace.index
-        aborted = len(self.reservations)
-        for key, page in self.reservations.items():
-            index.abort(key, page, quarantine_until)
-        self.reservations.clear()
-        released = 0
-        for page, count in self.pins.values():
+        for page in self.fenced_pages:
+            index.release_fenced(page)
+        dropped = 0
+        for page, count in self.pins.items():
             for _ in range(count):
                 index.unpin(page)
-            released += count
-        self.pins.clear()
-        return aborted, released
+            dropped += count
+        self.fence.close(unlink=True)
+        return len(self.fenced_pages), dropped
 
 
 class SessionTable:
@@ -69,41 +110,155 @@ class SessionTable:
         self.lease_ttl_s = lease_ttl_s
         self._clock = clock
         self.sessions: dict[int, Session] = {}
+        self.zombies: dict[str, Zombie] = {}  # fence name -> zombie
         self.expired_total = 0
+        self.zombies_released_total = 0
 
-    def open(self, namespace: Namespace | None, client: str) -> Session:
+    # -- live sessions --
+
+    def open(self, namespace: Namespace | None, client: str, peer: bytes = b"",
+             fence_dir: str | None = None) -> Session:
         now = self._clock()
         sid = secrets.randbits(62)
         while sid in self.sessions or sid == 0:
             sid = secrets.randbits(62)
-        session = Session(sid, namespace, client, now, now)
+        fence = None
+        if namespace is not None:
+            if fence_dir is None:
+                raise InvalidArgument("a namespace session needs a fence directory")
+            fence = FenceFile.create(fence_dir, f"{secrets.token_hex(16)}{FENCE_SUFFIX}",
+                                     namespace=namespace.name, region_id=namespace.region_id,
+                                     num_pages=namespace.geometry.num_pages, handle=handle_of(sid))
+        session = Session(sid, namespace, client, peer, fence, now, now)
         self.sessions[sid] = session
         return session
 
-    def get(self, sid: int) -> Session | None:
-        """The live session with this id, its lease renewed; None when unknown."""
+    def get(self, sid: int, peer: bytes) -> Session | None:
+        """The live session with this id opened on this connection, lease renewed; else None."""
         session = self.sessions.get(sid)
-        if session is not None:
-            session.last_seen_s = self._clock()
+        if session is None or session.peer != peer:
+            return None
+        session.last_seen_s = self._clock()
         return session
 
-    def close(self, session: Session, quarantine_until: float | None = None) -> tuple[int, int]:
-        self.sessions.pop(session.id, None)
-        return session.release_all(quarantine_until)
+    def end(self, session: Session, reason: str) -> Zombie | None:
+        """End a session: its holds go, its pages stay fenced until its fence is free.
 
-    def expire(self) -> list[tuple[Session, int, int]]:
-        """Expire every session silent for the lease ttl: [(session, aborted, released)]."""
-        now = self._clock()
-        deadline = now - self.lease_ttl_s
+        Returns the zombie, or None when nothing needed fencing (an admin
+        session, or a fence already free: then everything is freed now).
+        """
+        self.sessions.pop(session.id, None)
+        if session.namespace is None or session.fence is None:
+            return None
+        index = session.namespace.index
+        fenced = []
+        for key, page in session.reservations.items():
+            index.abort(key, page, fenced=True)
+            fenced.append(page)
+        session.reservations.clear()
+        zombie = Zombie(session.handle, session.namespace, session.client, session.fence, reason,
+                        self._clock(), session.fence.header.created_unix_s, fenced,
+                        {page: hold.count for page, hold in session.pins.items()})
+        session.pins.clear()
+        session.fence.set_state(LOST)
+        if (not fenced and not zombie.pins) or session.fence.holder_gone():
+            zombie.release()
+            return None
+        self.zombies[session.fence.name] = zombie
+        return zombie
+
+    def evict(self, session: Session) -> tuple[int, int]:
+        """Operator's word: end ``session`` and free its pages now, fence or not."""
+        zombie = self.end(session, "evicted")
+        if zombie is None:
+            return 0, 0
+        del self.zombies[zombie.fence.name]
+        return zombie.release()
+
+    def expire(self) -> list[tuple[Session, Zombie | None]]:
+        """End every session silent for the lease ttl."""
+        deadline = self._clock() - self.lease_ttl_s
         out = []
         for session in [s for s in self.sessions.values() if s.last_seen_s < deadline]:
-            aborted, released = self.close(session, quarantine_until=now + QUARANTINE_S)
+            out.append((session, self.end(session, "lease expired")))
             self.expired_total += 1
-            out.append((session, aborted, released))
         return out
+
+    # -- zombies --
+
+    def reap_zombies(self) -> list[tuple[Zombie, int, int]]:
+        """Free the pages of every zombie whose fence no process holds any more."""
+        out = []
+        for name, zombie in list(self.zombies.items()):
+            if zombie.fence.holder_gone():
+                del self.zombies[name]
+                freed, dropped = zombie.release()
+                self.zombies_released_total += 1
+                out.append((zombie, freed, dropped))
+        return out
+
+    def release_zombie(self, zombie: Zombie) -> tuple[int, int]:
+        del self.zombies[zombie.fence.name]
+        return zombie.release()
+
+    def find(self, handle: str) -> Session | Zombie | None:
+        """The live session or zombie whose handle is ``handle``; InvalidArgument when ambiguous."""
+        found: list[Session | Zombie] = [s for s in self.sessions.values() if s.handle == handle]
+        found += [z for z in self.zombies.values() if z.handle == handle]
+        if len(found) > 1:
+            raise InvalidArgument(f"handle {handle} names {len(found)} sessions")
+        return found[0] if found else None
+
+    def adopt_fences(self, fence_dir: str, registry: Registry) -> tuple[int, int]:
+        """After a restart: fence the pages of every earlier session whose process may live on.
+
+        Returns (zombies adopted, fence files removed). A fence of an unknown
+        namespace or another region holds nothing of ours and is removed;
+        one that is not ours to trust is logged and left alone.
+        """
+        adopted = removed = 0
+        for path in sorted(glob.glob(os.path.join(fence_dir, f"*{FENCE_SUFFIX}"))):
+            try:
+                fence = FenceFile.adopt(path, owner_uid=os.geteuid())
+            except (InvalidArgument, OSError) as exc:
+                log.warning("not adopting fence %s: %s; left alone", path, exc)
+                continue
+            ns = registry.namespaces.get(fence.header.namespace)
+            if (ns is None or ns.region_id != fence.header.region_id
+                    or ns.geometry.num_pages != fence.header.num_pages or fence.holder_gone()):
+                fence.close(unlink=True)
+                removed += 1
+                continue
+            pages, reserved, pins = fence.held_pages()
+            fenced, pinned = ns.index.adopt_fence(pages.tolist(), reserved.tolist(), pins.tolist())
+            fence.set_state(LOST)
+            zombie = Zombie(fence.header.handle, ns, "(from an earlier daemon run)", fence,
+                            "daemon restart", self._clock(), fence.header.created_unix_s,
+                            fenced, pinned)
+            self.zombies[fence.name] = zombie
+            adopted += 1
+            log.info("fenced %d pages and %d pins of %s until its process lets go",
+                     len(fenced), sum(pinned.values()), zombie.describe())
+        return adopted, removed
+
+    def detach_all(self) -> None:
+        """Shutdown: leave every fence to the successor (its holders may still be copying)."""
+        for session in self.sessions.values():
+            if session.fence is not None:
+                session.fence.set_state(LOST)
+                session.fence.close(unlink=False)
+        for zombie in self.zombies.values():
+            zombie.fence.close(unlink=False)
+        self.sessions.clear()
+        self.zombies.clear()
+
+    # -- reads --
 
     def now(self) -> float:
         return self._clock()
 
     def count_for(self, namespace: Namespace) -> int:
         return sum(1 for s in self.sessions.values() if s.namespace is namespace)
+
+    def all_for(self, namespace: Namespace) -> Iterator[Session]:
+        return (s for s in self.sessions.values() if s.namespace is namespace)

@@ -86,6 +86,7 @@ class _Reservation:
 class _PinnedLoad:
     session: Session
     keys: list[bytes]  # the keys pinned, each once
+    pages: list[int]  # their pages: unpin goes by page (a key re-stored after clear moves)
 
 
 class HiSparseOffloadingManager(OffloadingManager):
@@ -148,9 +149,10 @@ class HiSparseOffloadingManager(OffloadingManager):
             except HisparseError as exc:
                 self._failed("pin", exc)
             else:
-                pinned = [k for k, p in zip(distinct, pages) if p >= 0]
-                if pinned:
-                    self._loads.setdefault(req_context.req_id, []).append(_PinnedLoad(session, pinned))
+                held = [(k, p) for k, p in zip(distinct, pages) if p >= 0]
+                if held:
+                    self._loads.setdefault(req_context.req_id, []).append(
+                        _PinnedLoad(session, [k for k, _ in held], [p for _, p in held]))
         page_of = dict(zip(distinct, pages))
         missing = [k for k, p in page_of.items() if p < 0]
         if missing:
@@ -174,7 +176,7 @@ class HiSparseOffloadingManager(OffloadingManager):
             del self._loads[req_context.req_id]
         # The daemon ranks pages by their last unpin: the chain's tail first, so
         # its head, which every longer prefix needs, is evicted last.
-        self._release("unpin", load.session, load.keys[::-1])
+        self._release("unpin", load.session, load.pages[::-1])
 
     # -- stores --
 
@@ -284,7 +286,7 @@ class HiSparseOffloadingManager(OffloadingManager):
         # vLLM never completes the jobs in flight now; their copies may still run,
         # so their holds go at on_reset_flushed.
         for loads in self._loads.values():
-            self._reset_holds.extend(("unpin", load.session, load.keys) for load in loads)
+            self._reset_holds.extend(("unpin", load.session, load.pages) for load in loads)
         self._reset_holds.extend(("abort", s, ks) for s, ks in self._writing_by_session(self._writing))
         self._loads.clear()
         self._writing.clear()
@@ -382,7 +384,8 @@ class HiSparseOffloadingManager(OffloadingManager):
                 self._release(op, session, keys)
         return changes
 
-    def _release(self, op: str, session: Session, keys: list[bytes]) -> None:
+    def _release(self, op: str, session: Session, keys: list[Any]) -> None:
+        """unpin (``keys`` are page ids) or abort (``keys`` are keys) on the holding session."""
         try:
             if op == "unpin":
                 self._ops.unpin(session, keys)

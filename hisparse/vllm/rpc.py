@@ -87,8 +87,10 @@ class NamespaceOps:
                 start += 1
         return pages, session
 
-    def unpin(self, session: Session, keys: list[bytes]) -> None:
-        self._release(session, Op.UNPIN, keys)
+    def unpin(self, session: Session, pages: list[int]) -> None:
+        """Unpin by page id, as ``pin_each`` returned them."""
+        for start in range(0, len(pages), MAX_KEYS_PER_REQUEST):
+            self.client.request_in(session, Op.UNPIN, pages=pages[start:start + MAX_KEYS_PER_REQUEST])
 
     # -- one request: the first of a sequence takes the current session, the rest keep it --
 

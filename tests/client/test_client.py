@@ -255,7 +255,7 @@ def test_an_interrupted_copy_aborts_its_reservations(daemon_factory):
             assert all(cl.lookup([k]) == 0 for k in keys[1::2])  # none of them visible
             started = time.monotonic()
             assert cl.store(keys, pages) == 64  # all free again: none left WRITING (BUSY)
-            assert time.monotonic() - started < 2.0
+            assert time.monotonic() - started < 10.0  # no key left BUSY to wait out
             out = np.zeros_like(pages)
             assert cl.load(keys, out) == 128 and np.array_equal(out, pages)
     finally:

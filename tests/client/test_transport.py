@@ -44,7 +44,7 @@ def test_no_daemon_is_unavailable_within_the_timeout(tmp_path):
     started = time.monotonic()
     with pytest.raises(hisparse.DaemonUnavailable):
         client.attach("ns", LAYOUT, socket=sock, timeout_s=0.3)
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 0.3 * 10  # bounded by the timeout, not a hang
 
 
 def test_a_stopped_daemon_times_out_and_its_late_replies_are_dropped(hisparsed):
@@ -58,7 +58,7 @@ def test_a_stopped_daemon_times_out_and_its_late_replies_are_dropped(hisparsed):
                 t.call(Op.PING, 0.3)
             with pytest.raises(hisparse.DaemonUnavailable):
                 t.call(Op.HELLO, 0.3)  # queued in the daemon's socket: answered late
-            assert time.monotonic() - started < 1.5
+            assert time.monotonic() - started < 0.6 * 10  # two timeouts, generously
         finally:
             os.kill(hisparsed.pid, signal.SIGCONT)
         # the two late replies arrive first; the call must skip them for its own
@@ -110,7 +110,8 @@ def test_one_client_serves_many_threads(hisparsed):
 
 def test_calls_from_many_threads_each_keep_their_timeout(hisparsed):
     # one socket, one request in flight: waiting for the socket counts against the timeout
-    with client.attach("hung", LAYOUT, socket=hisparsed.socket, capacity="1MiB", timeout_s=0.3) as cl:
+    # 4 calls of 2 s each: 8 s if waiting for the socket did not count against the timeout
+    with client.attach("hung", LAYOUT, socket=hisparsed.socket, capacity="1MiB", timeout_s=2.0) as cl:
         os.kill(hisparsed.pid, signal.SIGSTOP)
         took: list[float] = []
         try:
@@ -127,5 +128,5 @@ def test_calls_from_many_threads_each_keep_their_timeout(hisparsed):
                 th.join(10)
         finally:
             os.kill(hisparsed.pid, signal.SIGCONT)
-        assert len(took) == 4 and max(took) < 0.6, took
+        assert len(took) == 4 and max(took) < 5.0, took
         assert cl.lookup(chain("hung", 2)) == 0  # and the client works on

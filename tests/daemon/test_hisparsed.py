@@ -64,29 +64,29 @@ def test_bad_input_gets_typed_errors_and_nobody_notices(hisparsed, clients):
         (b"", ErrorCode.PROTOCOL_ERROR),
         (b"\xc1\x00garbage", ErrorCode.PROTOCOL_ERROR),
         (msgpack.packb([1, 2, 3]), ErrorCode.PROTOCOL_ERROR),
-        (pack(v=1, id=1, op="lookup", session=sid), ErrorCode.PROTOCOL_ERROR),  # missing keys
-        (pack(v=1, id=1, op="lookup", session=sid, keys=[1, 2]), ErrorCode.PROTOCOL_ERROR),
-        (pack(v=1, id="x", op="ping"), ErrorCode.PROTOCOL_ERROR),
-        (pack(v=1, id=1, op="defragment", session=sid), ErrorCode.UNKNOWN_OP),
+        (pack(v=protocol.VERSION, id=1, op="lookup", session=sid), ErrorCode.PROTOCOL_ERROR),  # missing keys
+        (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[1, 2]), ErrorCode.PROTOCOL_ERROR),
+        (pack(v=protocol.VERSION, id="x", op="ping"), ErrorCode.PROTOCOL_ERROR),
+        (pack(v=protocol.VERSION, id=1, op="defragment", session=sid), ErrorCode.UNKNOWN_OP),
         (pack(v=99, id=1, op="ping"), ErrorCode.VERSION_MISMATCH),
         (b"\x00" * (protocol.MAX_FRAME_BYTES + 1), ErrorCode.FRAME_TOO_LARGE),
-        (pack(v=1, id=1, op="lookup", session=sid, keys=[b""]), ErrorCode.INVALID_ARGUMENT),
-        (pack(v=1, id=1, op="lookup", session=sid, keys=[b"k" * 65]), ErrorCode.INVALID_ARGUMENT),
-        (pack(v=1, id=1, op="lookup", session=sid, keys=[b"k" * 36] * 1_000_000),
+        (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[b""]), ErrorCode.INVALID_ARGUMENT),
+        (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[b"k" * 65]), ErrorCode.INVALID_ARGUMENT),
+        (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[b"k" * 36] * 1_000_000),
          ErrorCode.FRAME_TOO_LARGE),
-        (pack(v=1, id=1, op="lookup", session=sid, keys=[b"k"] * 1_000_000),
+        (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[b"k"] * 1_000_000),
          ErrorCode.INVALID_ARGUMENT),
-        (pack(v=1, id=1, op="commit", session=sid, keys=[k[0]]), ErrorCode.NOT_HELD),
-        (pack(v=1, id=1, op="abort", session=sid, keys=[k[0]]), ErrorCode.NOT_HELD),
-        (pack(v=1, id=1, op="unpin", session=sid, keys=[k[0]]), ErrorCode.NOT_HELD),
-        (pack(v=1, id=1, op="lookup", keys=[k[0]]), ErrorCode.PROTOCOL_ERROR),  # no session
-        (pack(v=1, id=1, op="lookup", session=12345, keys=[k[0]]), ErrorCode.UNKNOWN_SESSION),
-        (pack(v=1, id=1, op="clear", session=sid, namespace="ns"), ErrorCode.PERMISSION_DENIED),
-        (pack(v=1, id=1, op="clear", session=sid, namespace="ns", token="guess"),
+        (pack(v=protocol.VERSION, id=1, op="commit", session=sid, keys=[k[0]]), ErrorCode.NOT_HELD),
+        (pack(v=protocol.VERSION, id=1, op="abort", session=sid, keys=[k[0]]), ErrorCode.NOT_HELD),
+        (pack(v=protocol.VERSION, id=1, op="unpin", session=sid, pages=[0]), ErrorCode.NOT_HELD),
+        (pack(v=protocol.VERSION, id=1, op="lookup", keys=[k[0]]), ErrorCode.PROTOCOL_ERROR),  # no session
+        (pack(v=protocol.VERSION, id=1, op="lookup", session=12345, keys=[k[0]]), ErrorCode.UNKNOWN_SESSION),
+        (pack(v=protocol.VERSION, id=1, op="clear", session=sid, namespace="ns"), ErrorCode.PERMISSION_DENIED),
+        (pack(v=protocol.VERSION, id=1, op="clear", session=sid, namespace="ns", token="guess"),
          ErrorCode.PERMISSION_DENIED),
-        (pack(v=1, id=1, op="shutdown", session=sid), ErrorCode.PERMISSION_DENIED),
-        (pack(v=1, id=1, op="shutdown", session=sid, token=""), ErrorCode.PERMISSION_DENIED),
-        (pack(v=1, id=1, op="hello", namespace="ns", layout=KVLayout(3, 4, 8).to_wire()),
+        (pack(v=protocol.VERSION, id=1, op="shutdown", session=sid), ErrorCode.PERMISSION_DENIED),
+        (pack(v=protocol.VERSION, id=1, op="shutdown", session=sid, token=""), ErrorCode.PERMISSION_DENIED),
+        (pack(v=protocol.VERSION, id=1, op="hello", namespace="ns", layout=KVLayout(3, 4, 8).to_wire()),
          ErrorCode.LAYOUT_MISMATCH),
     ]
     for frame, code in cases:
@@ -180,15 +180,16 @@ def test_sigkilled_client_releases_within_lease(daemon_factory, clients):
             ns = observer.call(Op.STATS)["namespaces"]["ns"]
             if ns["pinned_pages"] == 0 and ns["writing_pages"] == 0:
                 break
-            assert time.monotonic() - killed_at < 1.0 + 1.0, "not released within lease_ttl + 1 s"
+            # lease 1 s + a reaper tick; the bound is loose for a busy CI machine
+            assert time.monotonic() - killed_at < 1.0 + 10.0, "not released after the lease"
             time.sleep(0.05)
         k = keys_for("dead", 6)
         assert observer.call(Op.LOOKUP, keys=k) == {"count": 3}, "committed pages stay"
         assert observer.store(k[3:], [bytes([9]) * 192] * 3) == 3, "the aborted keys can be stored again"
-        # and every page the dead client held is reusable within lease_ttl + 1 s
-        while observer.call(Op.STATS)["namespaces"]["ns"]["quarantined_pages"]:
-            assert time.monotonic() - killed_at < 1.0 + 1.0, "quarantine outlasted lease_ttl + 1 s"
-            time.sleep(0.05)
+        # a dead process holds no fence: nothing of it stays fenced
+        stats = observer.call(Op.STATS)
+        assert stats["namespaces"]["ns"]["fenced_pages"] == 0
+        assert stats["daemon"]["fenced_sessions"] == 0
         assert "lease expired" in d.log()
     finally:
         if proc.poll() is None:
@@ -205,6 +206,8 @@ def test_sigkilled_daemon_restarts_with_every_committed_page(daemon_factory, cli
     old_session = c.session
     d.restart(kill=True)
     assert "adopted namespace 'ns': 64 pages, 20 committed, 5 WRITING freed" in d.log()
+    # ... but c's process lives and may still be writing them: they stay fenced
+    assert "fenced 5 pages and 0 pins of session" in d.log()
     c2 = clients(d)
     assert c2.hello_reply["region"]["created"] is False
     assert c2.hello_reply["region"]["region_id"] == c.hello_reply["region"]["region_id"]
@@ -213,7 +216,9 @@ def test_sigkilled_daemon_restarts_with_every_committed_page(daemon_factory, cli
     for i, page in enumerate(got):
         assert c2.read_page(page) == pages[i], f"page {i} changed across the restart"
     ns = c2.call(Op.STATS)["namespaces"]["ns"]
-    assert ns["writing_pages"] == 0 and ns["free_pages"] == 64 - 20
+    assert ns["writing_pages"] == 0 and ns["fenced_pages"] == 5 and ns["free_pages"] == 64 - 25
+    c.release_fence()  # c lets go (or exits): its pages come back
+    _wait(lambda: c2.call(Op.STATS)["namespaces"]["ns"]["free_pages"] == 64 - 20, "fence release")
     # the old session belongs to the earlier run
     assert c2.request(Op.LOOKUP, session=old_session, keys=k).error_code == ErrorCode.UNKNOWN_SESSION.value
 
@@ -352,21 +357,30 @@ def test_abort_missing_ok_releases_what_a_lost_reserve_took(hisparsed, clients):
     assert c.request(Op.ABORT, keys=k, missing_ok="yes").error_code == ErrorCode.PROTOCOL_ERROR.value
 
 
-def test_an_expired_writers_pages_wait_a_moment_before_reuse(daemon_factory, clients):
+def _wait(cond, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_an_expired_writers_pages_stay_fenced_while_its_process_lives(daemon_factory, clients):
     d = daemon_factory(lease_ttl=1.0)
     stalled = clients(d, capacity_bytes=192 * 2)
     slots = stalled.call(Op.RESERVE, keys=keys_for("stalled", 2))["slots"]
     assert len(slots) == 2  # the region is now full of this writer's reservations
-    # the writer stalls (no heartbeat); another keeps its own lease alive meanwhile
+    # the writer stalls (no heartbeat, fence still locked); another keeps its lease alive
     other = clients(d)
-    deadline = time.monotonic() + 5
-    while other.call(Op.STATS)["namespaces"]["ns"]["quarantined_pages"] != 2:
-        assert time.monotonic() < deadline, "the stalled session never expired"
-        time.sleep(0.05)
+    _wait(lambda: other.call(Op.STATS)["namespaces"]["ns"]["fenced_pages"] == 2, "the expiry")
     # expired, but its pages are not handed out while its process might still write
     assert other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"] == []
-    while len(other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"]) < 2:
-        assert time.monotonic() < deadline + 3, "quarantine never ended"
-        time.sleep(0.05)
+    with open(stalled.fence_path, "rb") as f:
+        assert f.read(16)[12] == 2, "the fence says LOST"
+    # several reaper ticks later, still fenced: silence alone never frees a page
+    time.sleep(1.0)
+    assert other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"] == []
+    assert other.call(Op.STATS)["daemon"]["fenced_sessions"] == 1
+    stalled.release_fence()  # the process comes back and gives up its holds (or exits)
+    _wait(lambda: len(other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"]) == 2, "release")
     ns = other.call(Op.STATS)["namespaces"]["ns"]
-    assert ns["quarantined_pages"] == 0 and ns["writing_pages"] == 2
+    assert ns["fenced_pages"] == 0 and ns["writing_pages"] == 2

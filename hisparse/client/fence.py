@@ -1,0 +1,220 @@
+"""The client's end of a fence: a shared lock held while any thread may touch a session's pages.
+
+``hisparse.shm.fence`` explains the mechanism; this is how a process takes
+part in it:
+
+- ``Fence`` is a ``Client``'s own fence, opened right after ``hello``. The
+  session being current is one reference; every operation that touches
+  the session's pages (a store's copy, a load's copy, a live ``Pin``, a job
+  handed to another process) takes another. When the session is replaced
+  (the daemon restarted, the lease ran out) or the client closes, the first
+  reference goes; the lock is dropped with the last one. Until then the
+  daemon reuses none of the session's pages, however long this process
+  stalls.
+- ``hold(path)`` is for another process that touches the pages for the
+  session's owner (a vLLM worker copying for the scheduler): it takes the
+  same shared lock for the duration of one job and refuses (``LeaseExpired``)
+  once the daemon has marked the session's holds lost.
+
+``live`` is one read of the file's header: the daemon writes LOST there when
+it ends the session, so a process that comes back from a stall learns that
+its holds are gone before it uses them, without a round trip.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from hisparse.errors import InvalidArgument, LeaseExpired
+from hisparse.shm.fence import HEADER_BYTES, LIVE, STATE_NAMES, read_header, read_state
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Fence", "hold"]
+
+
+def _open_locked(path: str) -> tuple[int, mmap.mmap]:
+    """Open a fence read-only, take LOCK_SH, map its header; LeaseExpired when it is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise LeaseExpired(f"fence {path} is gone: the daemon released the session") from None
+    except OSError as exc:
+        raise InvalidArgument(f"cannot open fence {path}: {exc.strerror}; the engine's user "
+                              "must be able to read the daemon's fences/ directory") from None
+    try:
+        read_header(fd, path)  # a planted or foreign file is refused here
+        # Blocking: the daemon's probe holds LOCK_EX for microseconds at most.
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        mm = mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mm
+
+
+class Fence:
+    """A session's fence as its own client holds it (see the module docstring)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd, self._mm = _open_locked(path)
+        self._lock = threading.Lock()
+        self._refs = 1  # the session being current
+        self._retired = False
+        self._closed = False
+
+    @property
+    def state(self) -> int:
+        with self._lock:
+            if self._closed:
+                return 0
+            return read_state(self._mm)
+
+    @property
+    def live(self) -> bool:
+        """True while the daemon still counts this session's holds as held."""
+        return self.state == LIVE
+
+    def check(self, what: str) -> None:
+        """Raise ``LeaseExpired`` unless the session's holds are still held."""
+        state = self.state
+        if state != LIVE:
+            raise LeaseExpired(f"{what}: the session's holds are gone ("
+                               f"{STATE_NAMES.get(state, 'closed')}: lease expiry, daemon restart "
+                               "or eviction); nothing of its pages is used")
+
+    def acquire(self) -> Fence:
+        """One more user of the session's pages; ``LeaseExpired`` once the lock was dropped."""
+        with self._lock:
+            if self._closed:
+                raise LeaseExpired(f"fence {os.path.basename(self.path)} was already let go")
+            self._refs += 1
+        return self
+
+    def release(self) -> None:
+        """One user fewer; the lock is dropped when the last one goes."""
+        with self._lock:
+            self._refs -= 1
+            assert self._refs >= 0, "fence released more often than acquired"
+            last = self._refs == 0
+        if last:
+            self._close()
+
+    def retire(self) -> None:
+        """The session is no longer current: drop its reference (idempotent)."""
+        with self._lock:
+            if self._retired:
+                return
+            self._retired = True
+        self.release()
+
+    @contextmanager
+    def use(self, what: str) -> Iterator[Fence]:
+        """Hold the fence for one operation and check the holds are live before it."""
+        self.acquire()
+        try:
+            self.check(what)
+            yield self
+        finally:
+            self.release()
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            mm, fd = self._mm, self._fd
+        try:
+            mm.close()
+        finally:
+            os.close(fd)  # drops the lock: the daemon may now reuse the pages
+        log.debug("fence %s let go", os.path.basename(self.path))
+
+    @property
+    def refs(self) -> int:
+        return self._refs
+
+    def __repr__(self) -> str:
+        return f"Fence({os.path.basename(self.path)}, refs={self._refs}, closed={self._closed})"
+
+
+# -- for processes that touch another process's session (vLLM workers) --
+
+
+class _Shared:
+    """One open fence of another process's session, locked while any job of ours uses it."""
+
+    def __init__(self, path: str) -> None:
+        self.fd, self.mm = _open_locked(path)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)  # taken per job below
+        self.lock = threading.Lock()
+        self.users = 0
+
+    def enter(self, what: str) -> None:
+        with self.lock:  # flock is per open file: threads of this process share one lock
+            if self.users == 0:
+                fcntl.flock(self.fd, fcntl.LOCK_SH)
+            self.users += 1
+            state = read_state(self.mm)
+            if state == LIVE:
+                return
+            self._leave_locked()
+        raise LeaseExpired(f"{what}: the session that holds these pages is "
+                           f"{STATE_NAMES.get(state, 'gone')}; nothing is copied")
+
+    def leave(self) -> None:
+        with self.lock:
+            self._leave_locked()
+
+    def _leave_locked(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close_if_dead(self) -> bool:
+        with self.lock:
+            if self.users or read_state(self.mm) == LIVE:
+                return False
+            self.mm.close()
+            os.close(self.fd)
+            return True
+
+
+_CACHE_LOCK = threading.Lock()
+_CACHE: dict[str, _Shared] = {}
+MAX_CACHED = 64
+
+
+def _shared(path: str) -> _Shared:
+    with _CACHE_LOCK:
+        entry = _CACHE.get(path)
+        if entry is None:
+            if len(_CACHE) >= MAX_CACHED:
+                for old, shared in list(_CACHE.items()):
+                    if shared.close_if_dead():
+                        del _CACHE[old]
+            entry = _CACHE[path] = _Shared(path)
+        return entry
+
+
+@contextmanager
+def hold(path: str, what: str = "copy") -> Iterator[None]:
+    """Hold the fence at ``path`` for one job; ``LeaseExpired`` when its holds are gone.
+
+    A process that copies into or out of pages reserved or pinned by another
+    process's session wraps each copy in this: the daemon then reuses none
+    of those pages until the copy is over, whatever happens to the owner.
+    """
+    shared = _shared(path)
+    shared.enter(what)
+    try:
+        yield
+    finally:
+        shared.leave()
