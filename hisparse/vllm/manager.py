@@ -48,6 +48,7 @@ from vllm.v1.kv_offload.base import (
 
 from hisparse.errors import DaemonUnavailable, HisparseError, InvalidArgument, LeaseExpired
 from hisparse.protocol import SLOT_BUSY
+from hisparse.vllm.cluster import ClusterPromotions
 from hisparse.vllm.config import AdapterConfig, check_key
 from hisparse.vllm.mirror import Change, KeyMirror
 from hisparse.vllm.rpc import NamespaceOps, Session
@@ -110,6 +111,7 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._counts = dict.fromkeys(HiSparseMetrics.COUNTERS, 0)
         self._down_until = float("-inf")
         self._key_checked = False
+        self._cluster = ClusterPromotions(ops.client, clock)
         self._refresh()  # the first sync also tells the daemon to start recording events
 
     # -- lookups --
@@ -124,6 +126,7 @@ class HiSparseOffloadingManager(OffloadingManager):
             return LookupResult.MISS
         if key in self._mirror.pages:
             self._counts["LOOKUP_HITS"] += 1
+            self._cluster.landed(key)
             return LookupResult.HIT
         if key in self._writing:
             return LookupResult.HIT_PENDING
@@ -132,8 +135,10 @@ class HiSparseOffloadingManager(OffloadingManager):
             if self._clock() < until:
                 return LookupResult.RETRY
             del self._busy_until[key]
-        self._counts["LOOKUP_MISSES"] += 1
-        return LookupResult.MISS
+        result = self._cluster.miss(key)  # RETRY while the daemon promotes it from the cluster
+        if result is LookupResult.MISS:
+            self._counts["LOOKUP_MISSES"] += 1
+        return result
 
     # -- loads --
 
@@ -332,6 +337,19 @@ class HiSparseOffloadingManager(OffloadingManager):
         if reset:
             self._counts = dict.fromkeys(HiSparseMetrics.COUNTERS, 0)
         return snap
+
+    # -- the cluster tier (hisparse.vllm.cluster) --
+
+    def on_schedule_end(self, context: Any) -> None:
+        self._cluster.flush()
+
+    def has_pending_work(self) -> bool:
+        return self._cluster.waiting()
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        return CacheHitSource.P2P if key in self._cluster.promoted else CacheHitSource.HOST
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
         return [self._info]
