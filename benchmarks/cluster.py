@@ -193,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             fresh = _keys(f"store/{rep}", n)
             # the previous rep's write-behind done: time what the engine's own call pays
             _wait("write-behind", lambda: _cluster(a_sock)["put_pages"] >= (rep + 1) * n)
-            store_s["on"].append(_timed(lambda: ca.store(fresh, data)))
-            store_s["off"].append(_timed(lambda: coff.store(fresh, data)))
+            for side in (("on", "off") if rep % 2 == 0 else ("off", "on")):
+                c = ca if side == "on" else coff
+                store_s[side].append(_timed(lambda: c.store(fresh, data)))
         assert cb.load(keys, out) == n and np.array_equal(out, data), "promoted bytes differ"
         assert np.array_equal(buf.reshape(n, value_bytes)[:, fmt.HEADER_BYTES:], data)
         dropped = _cluster(a_sock)["dropped_pages"]

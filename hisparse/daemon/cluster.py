@@ -34,7 +34,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +105,7 @@ class ClusterTier:
         self._thread: threading.Thread | None = None
         self._headers = np.zeros(config.batch_pages * fmt.HEADER_BYTES, dtype=np.uint8)
         self._stage: np.ndarray | None = None  # TCP gets: cluster_io._fetch_staged
+        self._getter: ThreadPoolExecutor | None = None
 
     # -- lifecycle (loop thread) --
 
@@ -119,11 +120,19 @@ class ClusterTier:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=LOOP_CALL_TIMEOUT_S)
+        if self._getter is not None:
+            self._getter.shutdown(wait=False)
         for space in self._spaces.values():
             for key, page in list(space.held.items()):
                 space.ns.index.abort(key, page)
             space.held.clear()
             space.region.close()
+
+    def getter(self) -> ThreadPoolExecutor:
+        """A second thread for TCP gets, so one half's get overlaps the other half's checks."""
+        if self._getter is None:
+            self._getter = ThreadPoolExecutor(1, thread_name_prefix="hisparse-cluster-get")
+        return self._getter
 
     # -- the loop side: called from handlers --
 

@@ -141,32 +141,59 @@ def promote(tier: ClusterTier, space: _Space, keys: list[bytes], body: dict[str,
 
 
 def _fetch(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]], body: dict[str, int]) -> None:
-    if tier.config.protocol == "tcp":
-        cap = max(1, STAGE_BYTES // (fmt.HEADER_BYTES + space.ns.layout.page_bytes))
-        for start in range(0, len(mine), cap):
-            _fetch_staged(tier, space, mine[start:start + cap], body)
-    else:
+    """TCP: staged and pipelined (``_fetch_staged``); RDMA: straight into the pages."""
+    per = fmt.HEADER_BYTES + space.ns.layout.page_bytes
+    half = STAGE_BYTES // 2
+    if tier.config.protocol != "tcp" or per > half:
         _fetch_direct(tier, space, mine, body)
+        return
+    cap = half // per
+    subs = [mine[i:i + cap] for i in range(0, len(mine), cap)]
+    stage = _stage(tier)
+    getter = tier.getter()
+    pending = getter.submit(_get_staged, tier, space, subs[0], stage, 0)
+    finishing = -1
+    try:
+        for k, sub in enumerate(subs):
+            got = pending.result()
+            if k + 1 < len(subs):  # the next half's get runs while this half is checked and copied
+                pending = getter.submit(_get_staged, tier, space, subs[k + 1], stage, ((k + 1) % 2) * half)
+            finishing = k
+            _fetch_staged(tier, space, sub, got, stage[(k % 2) * half:], body)
+    finally:
+        if finishing + 1 < len(subs):  # stopped early: the rest was reserved but not fetched
+            try:
+                pending.result()  # its get writes into the stage: let it end before reuse
+            except Exception:
+                pass
+            rest = [pair for sub in subs[finishing + 1:] for pair in sub]
+            tier._on_loop(tier._settle, space, [], rest)
 
 
-def _fetch_staged(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]],
-                  body: dict[str, int]) -> None:
-    """TCP: whole values into one registered staging buffer, checked, then copied to their pages.
+def _get_staged(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]], stage: np.ndarray,
+                offset: int) -> list[int]:
+    """Whole values of ``mine`` into ``stage[offset:]``, one after another (getter thread)."""
+    per = fmt.HEADER_BYTES + space.ns.layout.page_bytes
+    base = int(stage.ctypes.data) + offset
+    started = time.perf_counter()
+    got = _backend(tier).get_into([fmt.cluster_key(space.fp, k) for k, _ in mine],
+                                  [base + i * per for i in range(len(mine))], [per] * len(mine))
+    tier.counters["get_s"] += time.perf_counter() - started
+    return got
+
+
+def _fetch_staged(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]], got: list[int],
+                  stage: np.ndarray, body: dict[str, int]) -> None:
+    """Check the staged values of ``mine`` and copy the good ones to their pages; commit or abort.
 
     Mooncake's TCP transport moves each buffer of a multi-buffer get as its own
-    request, which makes a page's ``num_layers`` slices about 3x slower than
-    one contiguous value (benchmarks/cluster.py); a memcpy per page is cheaper.
+    request, which makes a page's ``num_layers`` runs about 3x slower than one
+    contiguous value (docs/cluster.md); a strided copy per page costs less.
     """
     page_bytes = space.ns.layout.page_bytes
     per = fmt.HEADER_BYTES + page_bytes
-    stage = _stage(tier)
-    base = int(stage.ctypes.data)
     good: list[tuple[bytes, int]] = []
     try:
-        started = time.perf_counter()
-        got = _backend(tier).get_into([fmt.cluster_key(space.fp, k) for k, _ in mine],
-                                      [base + i * per for i in range(len(mine))], [per] * len(mine))
-        tier.counters["get_s"] += time.perf_counter() - started
         verdicts = _verdicts(tier, space, mine, got)
         pages = space.region.pages_view()
         layers = space.ns.layout.num_layers
