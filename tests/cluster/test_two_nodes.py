@@ -104,3 +104,24 @@ def test_hisparsectl_stats_shows_the_cluster_tier(nodes):
     assert r.returncode == 0, r.stderr
     assert "cluster: mooncake at 127.0.0.1:" in r.stdout and " up, write-behind" in r.stdout
     assert "put 3 pages (12.0 KiB)" in r.stdout
+
+
+def test_on_evict_writes_only_the_next_victims_and_gets_them_back(nodes):
+    (a,) = nodes(1, write_policy="on-evict", batch_pages="4")
+    old, new = keys_for("cold", 16), keys_for("hot", 16)
+    data = pages(16, 10)
+    with client.attach("m", LAYOUT, socket=a.socket, capacity=32 * LAYOUT.page_bytes) as ca:
+        assert ca.store(old, data) == 16
+        assert cluster_stats(ca)["queued_pages"] == 0  # plenty of room: nothing goes up
+        # fill the region: as room runs low, the least recently used pages go up first
+        for i in range(0, 16, 2):
+            assert ca.store(new[i:i + 2], pages(2, 11 + i)) == 2
+            wait_for("spill", lambda: cluster_stats(ca)["queue_depth"] == 0)
+        # what went up is the cold end of the LRU (the old pages, oldest first), not everything
+        assert 8 <= cluster_stats(ca)["put_pages"] < 32
+        ca.store(keys_for("more", 8), pages(8, 30))  # evicts the oldest 8
+        local, remote = ca.lookup_remote(old)
+        assert local == 0 and 8 <= remote < 16
+        assert ca.prefetch(old[:8])["promoted"] == 8
+        out = np.zeros((8, LAYOUT.page_bytes), dtype=np.uint8)
+        assert ca.load(old[:8], out) == 8 and np.array_equal(out, data[:8])
