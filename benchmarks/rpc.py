@@ -24,7 +24,9 @@ import zmq
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import percentile, running_daemon  # noqa: E402
 from hisparse import KVLayout, protocol  # noqa: E402
+from hisparse.client.fence import Fence  # noqa: E402
 from hisparse.protocol import Op  # noqa: E402
+from hisparse.shm.fence import fence_dir_for  # noqa: E402
 
 KEYS = 64
 
@@ -74,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         ours_sock = ctx.socket(zmq.DEALER)
         ours_sock.connect("ipc://" + path)
         layout = KVLayout(78, 64, 656)
-        session = call(ours_sock, Op.HELLO, namespace="bench/rpc", layout=layout,
-                       capacity_bytes=256 << 20, client="benchmarks/rpc")["session"]
+        hello = call(ours_sock, Op.HELLO, namespace="bench/rpc", layout=layout,
+                     capacity_bytes=256 << 20, client="benchmarks/rpc")
+        session = hello["session"]
+        fence = Fence(os.path.join(fence_dir_for(path), hello["fence"]))  # reserve needs it locked
         assert len(call(ours_sock, Op.RESERVE, session=session, keys=keys)["slots"]) == KEYS
         call(ours_sock, Op.COMMIT, session=session, keys=keys)
         frame = protocol.encode_request(Op.LOOKUP, 7, session=session, keys=keys)
@@ -92,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             ours += round_trips(ours_sock, frame, args.batch)
             bare += round_trips(echo_sock, frame, args.batch)
         ours_sock.close(linger=0)
+        fence.retire()
     echo_sock.send(b"stop")
     echo_proc.join(10)
     echo_sock.close(linger=0)
