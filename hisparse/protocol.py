@@ -112,7 +112,8 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
                   "promoted": "int: pages fetched, verified and committed", "local": "int: "
                   "already committed here", "missing": "int: not in the cluster",
                   "refused": "int: values whose header or hash did not match (dropped)",
-                  "busy": "int: being written by a session here"},
+                  "busy": "int: being written by a session here",
+                  "missing_keys": "list[bytes]: the keys counted in missing (empty unless waited)"},
 }
 
 SESSIONLESS_OPS = frozenset({Op.HELLO, Op.PING})

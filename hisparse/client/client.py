@@ -246,18 +246,21 @@ class Client:
         self._count(lookups=1, lookup_keys=len(keys), hit_keys=local)
         return local, int(body.get("remote", 0))
 
-    def prefetch(self, keys: list[bytes], *, wait: bool = True) -> dict[str, int]:
+    def prefetch(self, keys: list[bytes], *, wait: bool = True) -> dict[str, Any]:
         """Promote the cluster tier's pages of ``keys`` into the namespace; later loads hit locally.
 
         Returns the daemon's counts (``promoted``, ``local``, ``missing``, ``refused``, ``busy``;
-        ``queued`` with ``wait=False``). Raises ``ClusterUnavailable`` when the daemon has no
-        cluster tier or the cluster did not answer within its ``cluster.timeout``.
+        ``queued`` with ``wait=False``) and ``missing_keys``. Raises ``ClusterUnavailable`` when
+        the daemon has no cluster tier or the cluster did not answer within its ``cluster.timeout``.
         """
-        total: dict[str, int] = {}
+        total: dict[str, Any] = {"missing_keys": []}
         for chunk in _chunks(list(keys)):
             body = self._call(Op.PREFETCH, keys=chunk, wait=wait)[0]
             for name, value in body.items():
-                total[name] = total.get(name, 0) + int(value)
+                if isinstance(value, list):
+                    total[name].extend(value)
+                else:
+                    total[name] = total.get(name, 0) + int(value)
         return total
 
     def store(self, keys: list[bytes], pages: torch.Tensor | np.ndarray) -> int:

@@ -176,13 +176,13 @@ class ClusterTier:
         self._expire(fut, lambda: known)  # timed out: what is known, never an error
         return fut
 
-    def prefetch(self, ns: Namespace, keys: tuple[bytes, ...], wait: bool) -> dict[str, int] | Future:
+    def prefetch(self, ns: Namespace, keys: tuple[bytes, ...], wait: bool) -> dict[str, Any] | Future:
         """Promote the cluster's pages of ``keys`` into the namespace (see the module docstring)."""
         space = self._space(ns)
         index = ns.index
         todo = [k for k in dict.fromkeys(keys) if not _is_committed(index, k)]
-        body = {"queued": 0, "local": len(set(keys)) - len(todo), "promoted": 0, "missing": 0,
-                "refused": 0, "busy": 0}
+        body: dict[str, Any] = {"queued": 0, "local": len(set(keys)) - len(todo), "promoted": 0,
+                                "missing": 0, "refused": 0, "busy": 0, "missing_keys": []}
         if not todo:
             return body
         if self._down(time.monotonic()):
@@ -192,7 +192,8 @@ class ClusterTier:
             return body
         if not wait:
             body["queued"] = len(todo)
-            self._submit(lambda: self._promote(space, todo, body, None))
+            background = dict(body, missing_keys=[])  # the reply is sent now; the job counts apart
+            self._submit(lambda: self._promote(space, todo, background, None))
             return body
         fut: Future = Future()
         self._submit(lambda: self._promote(space, todo, body, fut))
@@ -379,7 +380,7 @@ class ClusterTier:
         self.counters["remote_keys"] += lead
         _resolve(fut, known + lead)
 
-    def _promote(self, space: _Space, keys: list[bytes], body: dict[str, int], fut: Future | None) -> None:
+    def _promote(self, space: _Space, keys: list[bytes], body: dict[str, Any], fut: Future | None) -> None:
         from hisparse.daemon import cluster_io
 
         try:

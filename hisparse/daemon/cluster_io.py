@@ -122,13 +122,14 @@ def exist(tier: ClusterTier, space: _Space, keys: list[bytes], *, prefix: bool =
     return out
 
 
-def promote(tier: ClusterTier, space: _Space, keys: list[bytes], body: dict[str, int]) -> None:
+def promote(tier: ClusterTier, space: _Space, keys: list[bytes], body: dict[str, Any]) -> None:
     """Fetch the cluster's pages of ``keys`` into reserved pages; commit only verified ones."""
     for start in range(0, len(keys), tier.config.batch_pages):
         chunk = keys[start:start + tier.config.batch_pages]
         held = exist(tier, space, chunk, prefix=False)
         have = [k for k, h in zip(chunk, held) if h]
         body["missing"] += len(chunk) - len(have)
+        body["missing_keys"].extend(k for k, h in zip(chunk, held) if not h)
         tier.counters["missing_pages"] += len(chunk) - len(have)
         if not have:
             continue
@@ -285,6 +286,7 @@ def _count_failed(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]
                   verdicts: list[str], body: dict[str, int]) -> None:
     body["refused"] += verdicts.count("refused")
     body["missing"] += verdicts.count("missing")
+    body["missing_keys"].extend(k for (k, _p), v in zip(mine, verdicts) if v == "missing")
     failed = verdicts.count("failed")
     if failed:
         log.warning("cluster get of %d pages of %r failed (Mooncake code %d)", failed, space.ns.name,

@@ -356,6 +356,7 @@ class HiSparseOffloadingManager(OffloadingManager):
 
     def shutdown(self) -> None:
         # bye releases every pin and reservation this session still holds.
+        self._cluster.close()
         self._ops.client.close()
 
     # -- internals --
