@@ -239,7 +239,8 @@ class Client:
     def lookup_remote(self, keys: list[bytes], *, wait: bool = True) -> tuple[int, int]:
         """``(local, remote)``: leading keys committed here, then how many after them the
         daemon's cluster tier holds (0 without one). ``wait=False`` answers at once from what
-        the daemon already knows and lets it ask the cluster meanwhile."""
+        the daemon already knows and lets it ask the cluster meanwhile. Looks at the first
+        ``MAX_KEYS_PER_REQUEST`` keys (65,536)."""
         keys = list(keys)[:MAX_KEYS_PER_REQUEST]
         body = self._call(Op.LOOKUP, keys=keys, remote=True, wait=wait)[0]
         local = int(body["count"])

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 DOWN_BACKOFF_S = 0.5  # after a failed cluster call, wait this long before the next try
 KNOWN_TTL_S = 30.0  # a key seen in the cluster counts as remote this long without asking again
-MAX_KNOWN_KEYS = 1 << 20
+MAX_KNOWN_KEYS = 1 << 18  # about 64 MiB of keys at most
 MAX_PROBE_KEYS = 4096  # keys one unwaited lookup asks the cluster about in the background
 LOOP_CALL_TIMEOUT_S = 10.0
 COUNTERS = ("queued_pages", "dropped_pages", "skipped_pages", "put_pages", "put_bytes",
