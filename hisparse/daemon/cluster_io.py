@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hisparse.cluster import format as fmt
+from hisparse.cluster.mooncake import ClusterUnavailableError
 from hisparse.daemon.cluster import ClusterDown, _Space
 
 if TYPE_CHECKING:
@@ -64,8 +65,13 @@ class Worker:
         codes: list[int] = []
         try:
             keys, ptrs, sizes = [], [], []
+            for space in {id(h[0]): h[0] for h in held}.values():
+                try:
+                    _register(tier, space)
+                except ClusterUnavailableError as exc:
+                    _requeue(tier, held)
+                    raise ClusterDown(str(exc)) from None
             for i, (space, key, page, _stamp) in enumerate(held):
-                _register(tier, space)
                 page_bytes = space.ns.layout.page_bytes
                 started = time.perf_counter()
                 header = fmt.pack_header(space.fp, page_bytes, fmt.content_hash(key, space.views(page)))
@@ -124,6 +130,10 @@ def exist(tier: ClusterTier, space: _Space, keys: list[bytes], *, prefix: bool =
 
 def promote(tier: ClusterTier, space: _Space, keys: list[bytes], body: dict[str, Any]) -> None:
     """Fetch the cluster's pages of ``keys`` into reserved pages; commit only verified ones."""
+    try:
+        _register(tier, space)  # early: the region is the target of RDMA gets, and puts later
+    except ClusterUnavailableError as exc:
+        raise ClusterDown(str(exc)) from None
     for start in range(0, len(keys), tier.config.batch_pages):
         chunk = keys[start:start + tier.config.batch_pages]
         held = exist(tier, space, chunk, prefix=False)

@@ -83,3 +83,29 @@ def test_a_full_write_behind_queue_drops_pages_and_counts_them(nodes, master):
         assert ca.store(keys_for("q", 40), pages(40, 8)) == 40
         wait_for("drops counted", lambda: cluster_stats(ca)["dropped_pages"] >= 32)
         assert cluster_stats(ca)["queue_depth"] <= 8
+
+
+def test_a_peer_killed_costs_its_values_not_the_other_node(nodes):
+    a, b = nodes(2)
+    keys, data = keys_for("peer", 16), pages(16, 12)
+    with client.attach("m", LAYOUT, socket=a.socket) as ca:
+        ca.store(keys, data)
+        wait_for("write-behind", lambda: cluster_stats(ca)["put_pages"] == 16)
+    a.kill()  # SIGKILL: A's segment (and the values in it) goes with it
+    with client.attach("m", LAYOUT, socket=b.socket) as cb:
+        started = time.monotonic()
+        try:
+            got = cb.prefetch(keys)
+        except ClusterUnavailable:
+            got = {"promoted": 0}  # every value was in A's segment, and the get timed out
+        assert time.monotonic() - started < 4 * 5.0
+        # what came is A's bytes; what did not is simply not here
+        promoted = [k for k in keys if cb.lookup([k]) == 1]
+        assert len(promoted) == got["promoted"]
+        out = np.zeros((1, LAYOUT.page_bytes), dtype=np.uint8)
+        for k in promoted:
+            assert cb.load([k], out) == 1 and np.array_equal(out[0], data[keys.index(k)])
+        # B's own tier serves on at once
+        own = keys_for("own", 4)
+        assert cb.store(own, pages(4, 13)) == 4 and cb.lookup(own) == 4
+        wait_for("B's write-behind", lambda: cluster_stats(cb)["put_pages"] == 4, timeout_s=30)
