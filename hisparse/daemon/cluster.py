@@ -100,6 +100,7 @@ class ClusterTier:
         self._urgent: deque[Callable[[], None]] = deque()
         self._queue: deque[tuple[_Space, bytes, int]] = deque()
         self._down_until = 0.0
+        self._queue_paused_until = 0.0  # write-behind waits after a failed put
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -337,10 +338,11 @@ class ClusterTier:
                         job = io.connect
                     elif self._urgent:
                         job = self._urgent.popleft()
-                    elif self._queue and not self._down(now):
+                    elif self._queue and not self._down(now) and now >= self._queue_paused_until:
                         job = io.take_batch()
                     else:
-                        self._cond.wait(max(0.01, self._down_until - now) if self._queue else 1.0)
+                        resume = max(self._down_until, self._queue_paused_until) - now
+                        self._cond.wait(max(0.01, resume) if self._queue else 1.0)
                 if self._stopping:
                     break
             try:
@@ -360,6 +362,9 @@ class ClusterTier:
         self.state = "down"
         self.last_error = why
         self._down_until = time.monotonic() + DOWN_BACKOFF_S
+
+    def _pause_queue(self) -> None:
+        self._queue_paused_until = time.monotonic() + DOWN_BACKOFF_S
 
     def _mark_up(self) -> None:
         if self.state != "up":

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 EXIST_CHUNK_KEYS = 4096
 OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode::OBJECT_NOT_FOUND
-MAX_PUT_TRIES = 20  # a page's puts before it is dropped: 10 s of DOWN_BACKOFF_S
+MAX_PUT_TRIES = 60  # a page's puts before it is dropped: 30 s of DOWN_BACKOFF_S
 STAGE_BYTES = 128 << 20  # TCP gets land here first (see _fetch_staged); resident once used
 
 
@@ -89,14 +89,18 @@ class Worker:
             assert tier._loop is not None
             tier._loop.call_soon_threadsafe(tier._release, held)
         stored = [h for h, code in zip(held, codes) if code == 0]
+        failed = [h for h, code in zip(held, codes) if code != 0] + held[len(codes):]
+        if failed:
+            # Retried after a pause: a peer whose segment died stays in the master's
+            # placement until its lease runs out, and a restarted master has no segments yet.
+            _requeue(tier, failed)
+            tier._pause_queue()
         if held and not stored:
-            _requeue(tier, held)
             raise ClusterDown(f"put of {len(held)} pages failed (Mooncake code {codes[0] if codes else '?'})")
         if held:
             tier._mark_up()
         tier.counters["put_pages"] += len(stored)
         tier.counters["put_bytes"] += sum(h[0].ns.layout.page_bytes for h in stored)
-        tier.counters["put_failed_pages"] += len(held) - len(stored)
         by_space: dict[int, tuple[_Space, list[bytes]]] = {}
         for space, key, _page, _stamp in stored:
             by_space.setdefault(id(space), (space, []))[1].append(key)
