@@ -16,8 +16,8 @@ loop (``_on_loop``), so the index stays single-threaded.
   reused under the copy; a page evicted while queued is skipped.
 - On-evict: nothing is queued at commit; when a namespace's free pages run
   low, the next LRU victims are queued, so they reach the cluster before
-  their pages are reused (``evicted_unspilled`` is not counted per page:
-  a victim the worker did not reach in time is simply not in the cluster).
+  their pages are reused; a victim the worker did not reach in time is
+  simply not in the cluster.
 - Promotion: reserve -> get into the reserved pages -> verify header and
   hash -> commit, or abort on any mismatch: the same fencing as a client's
   store; a refused value is removed from the cluster and counted.
@@ -35,12 +35,13 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from hisparse.cluster import format as fmt
+from hisparse.daemon import cluster_io
+from hisparse.daemon.cluster_io import ClusterDown, Space
 from hisparse.daemon.config import ClusterConfig
 from hisparse.daemon.namespaces import Namespace
 from hisparse.protocol import ErrorCode, WireError
@@ -59,33 +60,6 @@ COUNTERS = ("queued_pages", "dropped_pages", "skipped_pages", "put_pages", "put_
             "remote_lookups", "remote_keys", "errors", "put_s", "get_s", "hash_s")
 
 
-class ClusterDown(Exception):
-    """A cluster call failed in a way that says the cluster (not one key) is unreachable."""
-
-
-@dataclass
-class _Space:
-    """One namespace as the tier sees it: fingerprint, the daemon's own mapping of its region."""
-
-    ns: Namespace
-    fp: bytes
-    region: RegionMap
-    queued: set[bytes] = field(default_factory=set)  # keys in the write-behind queue
-    held: dict[bytes, int] = field(default_factory=dict)  # pages the tier reserved: key -> page
-    retries: dict[bytes, int] = field(default_factory=dict)  # failed puts of a queued key so far
-
-    def slices(self, page: int) -> tuple[list[int], list[int]]:
-        """Addresses and sizes of ``page``'s per-layer slices, in logical (layer-major) order."""
-        g = self.ns.geometry
-        lpb = g.layout.layer_page_bytes
-        base = self.region.address + page * lpb
-        return [base + layer * g.layer_stride_bytes for layer in range(g.layout.num_layers)], \
-            [lpb] * g.layout.num_layers
-
-    def views(self, page: int) -> list[np.ndarray]:
-        return [self.region.pages_view()[layer, page] for layer in range(self.ns.layout.num_layers)]
-
-
 class ClusterTier:
     def __init__(self, config: ClusterConfig, backend_factory: Callable[[], Any]) -> None:
         self.config = config
@@ -94,11 +68,11 @@ class ClusterTier:
         self.last_error = ""
         self._factory = backend_factory
         self._backend: Any = None
-        self._spaces: dict[str, _Space] = {}
+        self._spaces: dict[str, Space] = {}
         self._known: OrderedDict[tuple[str, bytes], float] = OrderedDict()
         self._cond = threading.Condition()
         self._urgent: deque[Callable[[], None]] = deque()
-        self._queue: deque[tuple[_Space, bytes, int]] = deque()
+        self._queue: deque[tuple[Space, bytes, int]] = deque()
         self._down_until = 0.0
         self._queue_paused_until = 0.0  # write-behind waits after a failed put
         self._stopping = False
@@ -211,14 +185,14 @@ class ClusterTier:
         out.update(self.counters)
         return out
 
-    def _space(self, ns: Namespace) -> _Space:
+    def _space(self, ns: Namespace) -> Space:
         space = self._spaces.get(ns.name)
         if space is None or space.ns is not ns:
-            space = _Space(ns, fmt.fingerprint(ns.name, ns.layout), RegionMap(ns.region_path, ns.geometry))
+            space = Space(ns, fmt.fingerprint(ns.name, ns.layout), RegionMap(ns.region_path, ns.geometry))
             self._spaces[ns.name] = space
         return space
 
-    def _enqueue(self, space: _Space, pairs: list[tuple[bytes, int]]) -> None:
+    def _enqueue(self, space: Space, pairs: list[tuple[bytes, int]]) -> None:
         with self._cond:
             for key, page in pairs:
                 if key in space.queued:
@@ -256,12 +230,12 @@ class ClusterTier:
     def _down(self, now: float) -> bool:
         return self.state != "up" and now < self._down_until
 
-    def _is_known(self, space: _Space, key: bytes, now: float) -> bool:
+    def _is_known(self, space: Space, key: bytes, now: float) -> bool:
         with self._cond:
             until = self._known.get((space.ns.name, key))
         return until is not None and until > now
 
-    def _learn(self, space: _Space, keys: list[bytes]) -> None:
+    def _learn(self, space: Space, keys: list[bytes]) -> None:
         until = time.monotonic() + KNOWN_TTL_S
         with self._cond:
             for key in keys:
@@ -272,7 +246,7 @@ class ClusterTier:
 
     # -- the loop side: what the worker asks of the index --
 
-    def _hold(self, batch: list[tuple[_Space, bytes, int]]) -> list[tuple[_Space, bytes, int, int]]:
+    def _hold(self, batch: list[tuple[Space, bytes, int]]) -> list[tuple[Space, bytes, int, int]]:
         held = []
         for space, key, page in batch:
             stamp = space.ns.index.hold_committed(key, page)
@@ -282,17 +256,17 @@ class ClusterTier:
                 held.append((space, key, page, stamp))
         return held
 
-    def _release(self, held: list[tuple[_Space, bytes, int, int]]) -> None:
+    def _release(self, held: list[tuple[Space, bytes, int, int]]) -> None:
         for space, _key, page, stamp in held:
             space.ns.index.end_hold(page, stamp)
 
-    def _reserve(self, space: _Space, keys: list[bytes]) -> tuple[list[tuple[bytes, int]], int]:
+    def _reserve(self, space: Space, keys: list[bytes]) -> tuple[list[tuple[bytes, int]], int]:
         """Pages to fetch ``keys`` into, and how many keys someone else is writing."""
         slots, _evicted = space.ns.index.reserve(tuple(keys), space.held)
         mine = [(k, s) for k, s in zip(keys, slots) if s >= 0]
         return mine, sum(1 for s in slots if s == -2)
 
-    def _settle(self, space: _Space, good: list[tuple[bytes, int]], bad: list[tuple[bytes, int]]) -> None:
+    def _settle(self, space: Space, good: list[tuple[bytes, int]], bad: list[tuple[bytes, int]]) -> None:
         index = space.ns.index
         for key, page in bad:
             if space.held.pop(key, None) is not None:
@@ -324,8 +298,6 @@ class ClusterTier:
     # -- the worker thread --
 
     def _run(self) -> None:
-        from hisparse.daemon import cluster_io
-
         io = cluster_io.Worker(self)
         while True:
             with self._cond:
@@ -371,9 +343,7 @@ class ClusterTier:
             log.info("cluster tier up (%s at %s)", self.config.backend, self.config.master)
         self.state = "up"
 
-    def _probe(self, space: _Space, keys: tuple[bytes, ...], known: int, fut: Future | None) -> None:
-        from hisparse.daemon import cluster_io
-
+    def _probe(self, space: Space, keys: tuple[bytes, ...], known: int, fut: Future | None) -> None:
         try:
             held = cluster_io.exist(self, space, list(keys))
         except BaseException as exc:
@@ -385,9 +355,7 @@ class ClusterTier:
         self.counters["remote_keys"] += lead
         _resolve(fut, known + lead)
 
-    def _promote(self, space: _Space, keys: list[bytes], body: dict[str, Any], fut: Future | None) -> None:
-        from hisparse.daemon import cluster_io
-
+    def _promote(self, space: Space, keys: list[bytes], body: dict[str, Any], fut: Future | None) -> None:
         try:
             cluster_io.promote(self, space, keys, body)
         except BaseException as exc:

@@ -4,9 +4,11 @@ Runs on the cluster worker thread only (``ClusterTier._run``); every index
 change goes through ``ClusterTier._on_loop``. A page's bytes move between
 its place in the region and Mooncake as ``1 + num_layers`` buffers: the
 64-byte header from the tier's registered header buffer, then the page's
-slice of each layer (a page is layer-major strided in the region, one
+run in each layer (a page is layer-major strided in the region, one
 ``block_tokens * row_bytes`` run per layer). Mooncake's multi-buffer batch
-calls take exactly that, so no page is ever staged in a contiguous copy.
+calls take exactly that: puts, and gets over RDMA, copy nothing on this
+side. Gets over TCP are staged (``_fetch``): Mooncake moves each buffer as
+its own TCP request, and a whole value plus one strided copy is faster.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hisparse.cluster import format as fmt
 from hisparse.cluster.mooncake import ClusterUnavailableError
-from hisparse.daemon.cluster import ClusterDown, _Space
+from hisparse.daemon.namespaces import Namespace
+from hisparse.shm.region import RegionMap
 
 if TYPE_CHECKING:
     from hisparse.daemon.cluster import ClusterTier
@@ -31,6 +35,33 @@ EXIST_CHUNK_KEYS = 4096
 OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode::OBJECT_NOT_FOUND
 MAX_PUT_TRIES = 60  # a page's puts before it is dropped: 30 s of DOWN_BACKOFF_S
 STAGE_BYTES = 128 << 20  # TCP gets land here first (see _fetch_staged); resident once used
+
+
+class ClusterDown(Exception):
+    """A cluster call failed in a way that says the cluster (not one key) is unreachable."""
+
+
+@dataclass
+class Space:
+    """One namespace as the tier sees it: fingerprint, the daemon's own mapping of its region."""
+
+    ns: Namespace
+    fp: bytes
+    region: RegionMap
+    queued: set[bytes] = field(default_factory=set)  # keys in the write-behind queue
+    held: dict[bytes, int] = field(default_factory=dict)  # pages the tier reserved: key -> page
+    retries: dict[bytes, int] = field(default_factory=dict)  # failed puts of a queued key so far
+
+    def slices(self, page: int) -> tuple[list[int], list[int]]:
+        """Addresses and sizes of ``page``'s per-layer slices, in logical (layer-major) order."""
+        g = self.ns.geometry
+        lpb = g.layout.layer_page_bytes
+        base = self.region.address + page * lpb
+        return [base + layer * g.layer_stride_bytes for layer in range(g.layout.num_layers)], \
+            [lpb] * g.layout.num_layers
+
+    def views(self, page: int) -> list[np.ndarray]:
+        return [self.region.pages_view()[layer, page] for layer in range(self.ns.layout.num_layers)]
 
 
 class Worker:
@@ -59,7 +90,7 @@ class Worker:
             batch.append((space, key, page))
         return lambda: self.put(batch)
 
-    def put(self, batch: list[tuple[_Space, bytes, int]]) -> None:
+    def put(self, batch: list[tuple[Space, bytes, int]]) -> None:
         tier = self.tier
         held = tier._on_loop(tier._hold, batch)
         codes: list[int] = []
@@ -101,7 +132,7 @@ class Worker:
             tier._mark_up()
         tier.counters["put_pages"] += len(stored)
         tier.counters["put_bytes"] += sum(h[0].ns.layout.page_bytes for h in stored)
-        by_space: dict[int, tuple[_Space, list[bytes]]] = {}
+        by_space: dict[int, tuple[Space, list[bytes]]] = {}
         for space, key, _page, _stamp in stored:
             by_space.setdefault(id(space), (space, []))[1].append(key)
             space.retries.pop(key, None)
@@ -114,7 +145,7 @@ class Worker:
             backend.close()
 
 
-def exist(tier: ClusterTier, space: _Space, keys: list[bytes], *, prefix: bool = True) -> list[bool]:
+def exist(tier: ClusterTier, space: Space, keys: list[bytes], *, prefix: bool = True) -> list[bool]:
     """Which ``keys`` the cluster holds (with ``prefix``: stops after the first it lacks)."""
     backend = _backend(tier)
     out: list[bool] = []
@@ -132,7 +163,7 @@ def exist(tier: ClusterTier, space: _Space, keys: list[bytes], *, prefix: bool =
     return out
 
 
-def promote(tier: ClusterTier, space: _Space, keys: list[bytes], body: dict[str, Any]) -> None:
+def promote(tier: ClusterTier, space: Space, keys: list[bytes], body: dict[str, Any]) -> None:
     """Fetch the cluster's pages of ``keys`` into reserved pages; commit only verified ones."""
     try:
         _register(tier, space)  # early: the region is the target of RDMA gets, and puts later
@@ -155,7 +186,7 @@ def promote(tier: ClusterTier, space: _Space, keys: list[bytes], body: dict[str,
             _fetch(tier, space, mine, body)
 
 
-def _fetch(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]], body: dict[str, int]) -> None:
+def _fetch(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], body: dict[str, int]) -> None:
     """TCP: staged and pipelined (``_fetch_staged``); RDMA: straight into the pages."""
     per = fmt.HEADER_BYTES + space.ns.layout.page_bytes
     half = STAGE_BYTES // 2
@@ -185,7 +216,7 @@ def _fetch(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]], body
             tier._on_loop(tier._settle, space, [], rest)
 
 
-def _get_staged(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]], stage: np.ndarray,
+def _get_staged(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], stage: np.ndarray,
                 offset: int) -> list[int]:
     """Whole values of ``mine`` into ``stage[offset:]``, one after another (getter thread)."""
     per = fmt.HEADER_BYTES + space.ns.layout.page_bytes
@@ -197,7 +228,7 @@ def _get_staged(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]],
     return got
 
 
-def _fetch_staged(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]], got: list[int],
+def _fetch_staged(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], got: list[int],
                   stage: np.ndarray, body: dict[str, int]) -> None:
     """Check the staged values of ``mine`` and copy the good ones to their pages; commit or abort.
 
@@ -231,7 +262,7 @@ def _fetch_staged(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]
     _count_promoted(tier, body, len(good), page_bytes)
 
 
-def _fetch_direct(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]],
+def _fetch_direct(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]],
                   body: dict[str, int]) -> None:
     """RDMA: header and every layer slice straight into the reserved page, no staging copy."""
     page_bytes = space.ns.layout.page_bytes
@@ -264,7 +295,7 @@ def _fetch_direct(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]
     _count_promoted(tier, body, len(good), page_bytes)
 
 
-def _verdicts(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]],
+def _verdicts(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]],
               got: list[int]) -> list[str]:
     """Per key: "size" (a whole value: check it), "missing", "failed", or "refused" (wrong size)."""
     expected = fmt.HEADER_BYTES + space.ns.layout.page_bytes
@@ -287,7 +318,7 @@ def _verdicts(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]],
     return out
 
 
-def _refuse(tier: ClusterTier, space: _Space, key: bytes, why: str, body: dict[str, int] | None) -> None:
+def _refuse(tier: ClusterTier, space: Space, key: bytes, why: str, body: dict[str, int] | None) -> None:
     """A value that is not this page: counted, logged, dropped from the cluster, never committed."""
     if body is not None:
         body["refused"] += 1
@@ -296,7 +327,7 @@ def _refuse(tier: ClusterTier, space: _Space, key: bytes, why: str, body: dict[s
     _backend(tier).remove([fmt.cluster_key(space.fp, key)])
 
 
-def _count_failed(tier: ClusterTier, space: _Space, mine: list[tuple[bytes, int]], got: list[int],
+def _count_failed(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], got: list[int],
                   verdicts: list[str], body: dict[str, int]) -> None:
     body["refused"] += verdicts.count("refused")
     body["missing"] += verdicts.count("missing")
@@ -323,7 +354,7 @@ def _stage(tier: ClusterTier) -> np.ndarray:
     return tier._stage
 
 
-def _requeue(tier: ClusterTier, held: list[tuple[_Space, bytes, int, int]]) -> None:
+def _requeue(tier: ClusterTier, held: list[tuple[Space, bytes, int, int]]) -> None:
     """Back to the queue's head after a failed put: a cluster that is down, restarting, or
     full (Mooncake says the same, "no handle", for the last two); dropped after a few tries."""
     with tier._cond:
@@ -344,7 +375,7 @@ def _backend(tier: ClusterTier) -> Any:
     return tier._backend
 
 
-def _register(tier: ClusterTier, space: _Space) -> None:
+def _register(tier: ClusterTier, space: Space) -> None:
     _backend(tier).register(space.region.address, space.ns.geometry.size_bytes)
 
 
