@@ -19,6 +19,7 @@ from hisparse.errors import (
     LeaseExpired,
     PermissionDenied,
     ProtocolError,
+    QuotaExceeded,
     Timeout,
 )
 from hisparse.layout import KVLayout, format_size, parse_size
@@ -47,6 +48,7 @@ __all__ = [
     "LeaseExpired",
     "PermissionDenied",
     "ProtocolError",
+    "QuotaExceeded",
     "Timeout",
     "format_size",
     "parse_size",

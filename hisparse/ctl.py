@@ -1,6 +1,6 @@
-"""``hisparsectl``: ping, stats, clear and evict-session on a running hisparsed.
+"""``hisparsectl``: ping, stats, clear, drop and evict-session on a running hisparsed.
 
-``clear`` and ``evict-session`` read the admin token the daemon wrote beside its socket
+``clear``, ``drop`` and ``evict-session`` read the admin token the daemon wrote beside its socket
 (``hisparsed.token``, readable only by the daemon's user and root).
 """
 
@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--json", action="store_true", help="machine-readable")
     cl = sub.add_parser("clear", help="drop every committed page of a namespace")
     cl.add_argument("namespace")
+    dr = sub.add_parser("drop", help="remove a namespace and its region; its memory goes back "
+                        "to the daemon's capacity")
+    dr.add_argument("namespace")
+    dr.add_argument("--force", action="store_true", help="also end the sessions attached to it")
     ev = sub.add_parser("evict-session", help="free a live or fenced session's pages now "
                         "(its process, if alive, may still write into them: your call)")
     ev.add_argument("handle", help="the 8-hex-digit handle `stats` shows")
@@ -149,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             r = ctl.call(protocol.Op.CLEAR, namespace=args.namespace, token=token)
             print(f"cleared {args.namespace!r}: {r['freed_pages']} pages freed, "
                   f"{r['doomed_pages']} freed when their pins are released")
+        elif args.command == "drop":
+            token = read_token(socket_path, args.token_file)
+            r = ctl.call(protocol.Op.DROP, namespace=args.namespace, token=token,
+                         force=True if args.force else None)
+            print(f"dropped {args.namespace!r}: {format_size(r['freed_bytes'])} back to the capacity, "
+                  f"{r['ended_sessions']} sessions ended")
         elif args.command == "evict-session":
             token = read_token(socket_path, args.token_file)
             r = ctl.call(protocol.Op.EVICT_SESSION, target=args.handle, token=token)

@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     need = (args.prefix_pages + 2 * args.suffix_pages) * layout.page_bytes
     capacity = max(64 << 20, 2 * need)
-    with start_daemon(str(capacity)) as daemon:
+    # The engines attach unsized: the namespace gets default_namespace_capacity.
+    with start_daemon(str(capacity), extra=("--default-namespace-capacity", str(capacity // 2))) as daemon:
         print(f"hisparsed pid {daemon.pid} on {daemon.socket}")
         print(f"namespace {NAMESPACE!r}: pages of {layout.num_layers} layers x {layout.block_tokens} "
               f"tokens x {layout.row_bytes} B = {format_size(layout.page_bytes)}; each engine's prompt "

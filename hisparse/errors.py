@@ -28,6 +28,11 @@ class CapacityError(HisparseError):
     """A region could not be created within the daemon's capacity."""
 
 
+class QuotaExceeded(CapacityError):
+    """A per-session limit of the daemon (pinned or reserved pages) would be passed; the
+    message names the limit (``session_pin_share`` / ``session_reserve_share``)."""
+
+
 class InvalidArgument(HisparseError):
     """A request was well formed but its values were not acceptable."""
 
@@ -58,5 +63,6 @@ __all__ = [
     "LeaseExpired",
     "PermissionDenied",
     "ProtocolError",
+    "QuotaExceeded",
     "Timeout",
 ]

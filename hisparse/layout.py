@@ -23,6 +23,9 @@ _UNITS = {
 }
 
 
+MAX_SIZE_BYTES = 1 << 60  # 1 EiB: any size above is a mistake (or an attack), not a plan
+
+
 def parse_size(value: int | str) -> int:
     """Bytes from an int or a string such as ``"64GiB"``, ``"512MiB"``, ``"1.5GB"``."""
     if isinstance(value, bool):
@@ -30,6 +33,8 @@ def parse_size(value: int | str) -> int:
     if isinstance(value, int):
         if value < 0:
             raise InvalidArgument(f"size must not be negative: {value}")
+        if value > MAX_SIZE_BYTES:
+            raise InvalidArgument(f"size {str(value)[:24]} is above the largest accepted, {MAX_SIZE_BYTES} B")
         return value
     if not isinstance(value, str):
         raise InvalidArgument(f"size must be an int or a string like '64GiB', not {value!r}")
@@ -39,7 +44,12 @@ def parse_size(value: int | str) -> int:
     number, unit = m.group(1), (m.group(2) or "").lower()
     if unit not in _UNITS:
         raise InvalidArgument(f"unknown size unit in {value!r}")
-    return int(float(number) * _UNITS[unit])
+    size = float(number) * _UNITS[unit]
+    if not size <= MAX_SIZE_BYTES:  # also inf and nan: "9" * 400 parses as inf
+        raise InvalidArgument(f"size {value[:24]!r}... is above the largest accepted, {MAX_SIZE_BYTES} B"
+                              if len(value) > 24 else
+                              f"size {value!r} is above the largest accepted, {MAX_SIZE_BYTES} B")
+    return int(size)
 
 
 def format_size(num_bytes: int) -> str:

@@ -34,7 +34,7 @@ from typing import Any
 import msgpack
 
 from hisparse import errors
-from hisparse.layout import KVLayout, parse_size
+from hisparse.layout import MAX_SIZE_BYTES, KVLayout, parse_size
 
 VERSION = 2  # 2: fences, unpin by page, sessions bound to their connection
 
@@ -64,6 +64,7 @@ class Op(str, enum.Enum):
     CLEAR = "clear"  # admin: drop every committed page of one namespace
     SHUTDOWN = "shutdown"  # admin: stop the daemon as SIGTERM would
     BYE = "bye"  # close the session now, releasing everything it holds
+    DROP = "drop"  # admin: remove a namespace and its region; its memory goes back to the capacity
     EVICT_SESSION = "evict_session"  # admin: end a session (or a fenced one) and free its pages now
     PREFETCH = "prefetch"  # promote the cluster tier's pages of keys into the namespace
 
@@ -79,6 +80,8 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
                   "num_layers, block_tokens, row_bytes, layer_stride_bytes (ints), "
                   "region_id (int, changes when the file is re-created), created (bool)",
         "events_seq": "int: the namespace's event sequence number now",
+        "warnings": "list[str]: what the attacher should know, e.g. a requested capacity that is "
+                    "not the existing namespace's (also logged by the daemon)",
         "fence": "str or nil (admin session): the session's fence file, in fences/ beside "
                  "the socket; hold flock(LOCK_SH) on it while any process may touch its pages",
     },
@@ -107,6 +110,8 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
     Op.CLEAR: {"freed_pages": "int", "doomed_pages": "int: pinned now, freed on their last unpin"},
     Op.SHUTDOWN: {},
     Op.BYE: {},
+    Op.DROP: {"freed_bytes": "int: what the namespace took from the capacity",
+              "ended_sessions": "int: sessions ended (needs force: true when any were attached)"},
     Op.EVICT_SESSION: {"freed_pages": "int: fenced pages freed", "released_pins": "int"},
     Op.PREFETCH: {"queued": "int: keys being promoted in the background (wait: false)",
                   "promoted": "int: pages fetched, verified and committed", "local": "int: "
@@ -117,7 +122,7 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
 }
 
 SESSIONLESS_OPS = frozenset({Op.HELLO, Op.PING})
-ADMIN_OPS = frozenset({Op.CLEAR, Op.SHUTDOWN, Op.EVICT_SESSION})
+ADMIN_OPS = frozenset({Op.CLEAR, Op.SHUTDOWN, Op.EVICT_SESSION, Op.DROP})
 
 
 class ErrorCode(str, enum.Enum):
@@ -136,6 +141,7 @@ class ErrorCode(str, enum.Enum):
     CAPACITY = "CAPACITY"  # a region would not fit in the daemon's capacity
     PERMISSION_DENIED = "PERMISSION_DENIED"  # admin op without the admin token
     SHUTTING_DOWN = "SHUTTING_DOWN"  # the daemon is draining and takes no new work
+    QUOTA_EXCEEDED = "QUOTA_EXCEEDED"  # a per-session limit (the message names it) would be passed
     CLUSTER_UNAVAILABLE = "CLUSTER_UNAVAILABLE"  # no cluster tier, or it did not answer in time
     INTERNAL = "INTERNAL"  # a bug in the daemon; it logged a traceback and serves on
 
@@ -154,6 +160,7 @@ _ERROR_CLASSES: dict[ErrorCode, type[errors.HisparseError]] = {
     ErrorCode.CAPACITY: errors.CapacityError,
     ErrorCode.PERMISSION_DENIED: errors.PermissionDenied,
     ErrorCode.SHUTTING_DOWN: errors.DaemonUnavailable,
+    ErrorCode.QUOTA_EXCEEDED: errors.QuotaExceeded,
     ErrorCode.CLUSTER_UNAVAILABLE: errors.ClusterUnavailable,
     ErrorCode.INTERNAL: errors.HisparseError,
 }
@@ -259,6 +266,7 @@ class AdminRequest(Request):
     token: str
     namespace: str | None  # clear: the namespace; shutdown: None
     target: str | None = None  # evict_session: the session's 8-hex-digit handle
+    force: bool = False  # drop: end the namespace's sessions too
 
 
 _KEY_OPS = frozenset({Op.LOOKUP, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN, Op.PREFETCH})
@@ -280,6 +288,17 @@ def _field(msg: dict[str, Any], name: str, types: tuple[type, ...], *, optional:
     return value
 
 
+MAX_WIRE_INT = (1 << 63) - 1
+
+
+def _number(msg: dict[str, Any], name: str) -> int:
+    """A required non-negative integer field below 2**63 (ids, sessions, cursors)."""
+    value = _field(msg, name, (int,))
+    if not 0 <= value <= MAX_WIRE_INT:
+        raise WireError(ErrorCode.INVALID_ARGUMENT, f"field {name!r} must be 0-{MAX_WIRE_INT}, not {value}")
+    return value
+
+
 def _tname(types: tuple[type, ...]) -> str:
     return " or ".join(t.__name__ for t in types)
 
@@ -289,13 +308,19 @@ def _keys(msg: dict[str, Any]) -> tuple[bytes, ...]:
     if len(raw) > MAX_KEYS_PER_REQUEST:
         raise WireError(ErrorCode.INVALID_ARGUMENT,
                         f"{len(raw)} keys in one request; the limit is {MAX_KEYS_PER_REQUEST}")
+    keys = tuple(raw)
+    # The common case checked in C (a flood of the largest requests costs the
+    # loop little); the loop below only runs to name the offending key.
+    if set(map(type, keys)) <= {bytes} and (
+            not keys or MIN_KEY_BYTES <= min(map(len, keys)) and max(map(len, keys)) <= MAX_KEY_BYTES):
+        return keys
     for i, key in enumerate(raw):
         if not isinstance(key, bytes):
             raise WireError(ErrorCode.PROTOCOL_ERROR, f"keys[{i}] must be bytes, not {type(key).__name__}")
         if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
             raise WireError(ErrorCode.INVALID_ARGUMENT,
                             f"keys[{i}] is {len(key)} bytes; keys are {MIN_KEY_BYTES}-{MAX_KEY_BYTES} bytes")
-    return tuple(raw)
+    return keys
 
 
 def _pages(msg: dict[str, Any]) -> tuple[int, ...]:
@@ -343,8 +368,9 @@ def _hello(op: Op, rid: int, msg: dict[str, Any]) -> HelloRequest:
             layout = KVLayout.from_wire(layout_raw)
         except errors.InvalidArgument as exc:
             raise WireError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
-    if capacity is not None and capacity <= 0:
-        raise WireError(ErrorCode.INVALID_ARGUMENT, f"capacity_bytes must be positive, not {capacity}")
+    if capacity is not None and not 0 < capacity <= MAX_SIZE_BYTES:
+        raise WireError(ErrorCode.INVALID_ARGUMENT,
+                        f"capacity_bytes must be 1-{MAX_SIZE_BYTES}, not {str(capacity)[:24]}")
     return HelloRequest(op, rid, None, namespace, layout, capacity, client[:200])
 
 
@@ -361,7 +387,7 @@ def decode_request(frame: bytes) -> Request:
     if type(version) is not int or version != VERSION:  # not 2.0, not True
         raise WireError(ErrorCode.VERSION_MISMATCH,
                         f"protocol version {version!r}; this daemon speaks {VERSION}")
-    rid = _field(msg, "id", (int,))
+    rid = _number(msg, "id")
     op_name = _field(msg, "op", (str,))
     try:
         op = Op(op_name)
@@ -375,16 +401,17 @@ def decode_request(frame: bytes) -> Request:
         token = _field(msg, "token", (str,), optional=True)
         if token is None:
             raise WireError(ErrorCode.PERMISSION_DENIED, f"{op.value} needs the admin token")
-        session = _field(msg, "session", (int,))
-        namespace = _field(msg, "namespace", (str,)) if op is Op.CLEAR else None
+        session = _number(msg, "session")
+        namespace = _field(msg, "namespace", (str,)) if op in (Op.CLEAR, Op.DROP) else None
+        force = bool(_field(msg, "force", (bool,), optional=True)) if op is Op.DROP else False
         target = None
         if op is Op.EVICT_SESSION:
             target = _field(msg, "target", (str,)).lower()
             if len(target) != 8 or any(c not in "0123456789abcdef" for c in target):
                 raise WireError(ErrorCode.INVALID_ARGUMENT,
                                 f"target must be a session's 8-hex-digit handle, not {target[:20]!r}")
-        return AdminRequest(op, rid, session, token, namespace, target)
-    session = _field(msg, "session", (int,))
+        return AdminRequest(op, rid, session, token, namespace, target, force)
+    session = _number(msg, "session")
     if op in _KEY_OPS:
         missing_ok = _field(msg, "missing_ok", (bool,), optional=True) if op is Op.ABORT else None
         remote = _field(msg, "remote", (bool,), optional=True) if op is Op.LOOKUP else None
@@ -394,11 +421,9 @@ def decode_request(frame: bytes) -> Request:
     if op is Op.UNPIN:
         return PagesRequest(op, rid, session, _pages(msg))
     if op is Op.EVENTS:
-        return EventsRequest(op, rid, session, _field(msg, "after", (int,)), _limit(msg))
+        return EventsRequest(op, rid, session, _number(msg, "after"), _limit(msg))
     if op is Op.KEYS:
-        cursor = _field(msg, "cursor", (int,))
-        if cursor < 0:
-            raise WireError(ErrorCode.INVALID_ARGUMENT, f"cursor must not be negative: {cursor}")
+        cursor = _number(msg, "cursor")
         return KeysPageRequest(op, rid, session, cursor, _limit(msg))
     return SessionRequest(op, rid, session)
 

@@ -134,6 +134,8 @@ class Client:
         body = self._transport.call(Op.HELLO, self.timeout_s, namespace=self.namespace,
                                     layout=self.layout, capacity_bytes=self._capacity_bytes,
                                     client=self._name)
+        for warning in body.get("warnings") or ():
+            log.warning("hisparsed: %s", warning)
         name = body.get("fence")
         if not isinstance(name, str) or "/" in name or not name:
             raise ProtocolError(f"hello reply names no fence file: {name!r}")
@@ -212,10 +214,19 @@ class Client:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self._session.lease_ttl_s / 3):
             try:
-                self._call(Op.HEARTBEAT, timeout_s=min(self.timeout_s, self._session.lease_ttl_s / 3))
+                body, session = self._call(Op.HEARTBEAT,
+                                           timeout_s=min(self.timeout_s, self._session.lease_ttl_s / 3))
+                self._follow_lease(session, body)
             except HisparseError as exc:
                 # The next beat (or the next call) tries again; calls raise on their own.
                 log.debug("heartbeat on %r failed: %s", self.namespace, exc)
+
+    def _follow_lease(self, session: ClientSession, body: dict[str, Any]) -> None:
+        """Adopt the lease the daemon now grants (SIGHUP may have changed it)."""
+        ttl = body.get("lease_ttl_s")
+        if isinstance(ttl, (int, float)) and ttl > 0 and ttl != session.lease_ttl_s:
+            log.info("hisparsed's lease is now %.1fs (was %.1fs)", ttl, session.lease_ttl_s)
+            object.__setattr__(session, "lease_ttl_s", float(ttl))  # frozen for callers, not for us
 
     def _count(self, **deltas: float) -> None:
         with self._counters_lock:
@@ -414,8 +425,17 @@ class Client:
 
     def pin(self, keys: list[bytes]) -> Pin:
         """Pin the committed prefix of ``keys``; use as ``with c.pin(keys) as p:``."""
-        session, pinned, page_ids = self._pin_prefix(list(keys))
-        return Pin(self, session, pinned, page_ids.tolist())
+        keys = list(keys)
+        for attempt in range(LOST_SESSION_RETRIES + 1):
+            session, pinned, page_ids = self._pin_prefix(keys)
+            try:
+                return Pin(self, session, pinned, page_ids.tolist())
+            except LeaseExpired:
+                # Another thread re-attached and let the session's fence go in
+                # between: those pins are lost with it. Pin again.
+                if attempt == LOST_SESSION_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
 
     def _pin_prefix(self, keys: list[bytes]) -> tuple[ClientSession, list[bytes], np.ndarray]:
         """Pin the committed prefix, all under one session: (session, keys pinned, page ids)."""

@@ -71,9 +71,16 @@ class ClusterConfig:
 class Config:
     socket: str = field(default_factory=daemon_default_socket_path)
     shm_dir: str = "/dev/shm"
-    meta_dir: str | None = None  # None: shm_dir
-    capacity_bytes: int = 8 << 30  # all regions together
+    meta_dir: str | None = None  # None: "meta" beside the socket (never shm_dir: others write there)
+    capacity_bytes: int = 8 << 30  # all regions together, their tables and indexes included
     default_namespace_capacity_bytes: int = 1 << 30
+    min_page_bytes: int = 64  # a layout with smaller pages is refused (hello: INVALID_ARGUMENT)
+    max_namespaces: int = 64
+    # Per session, as a share of its namespace's pages: a refusal is QUOTA_EXCEEDED.
+    # Embedded default 1 (a single tenant may use its whole region, as before);
+    # the shared-node config (systemd/hisparsed.toml) sets 0.5.
+    session_pin_share: float = 1.0
+    session_reserve_share: float = 1.0
     namespaces: dict[str, NamespaceConfig] = field(default_factory=dict)
     lease_ttl_s: float = 10.0
     log_level: str = "INFO"
@@ -81,10 +88,13 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     fresh: bool = False  # flag only: drop every region and table left by an earlier run
     config_file: str | None = None
+    # What env and flags said at start: SIGHUP re-applies them over the file.
+    env_values: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    flag_values: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def metadata_dir(self) -> str:
-        return self.meta_dir or self.shm_dir
+        return self.meta_dir or os.path.join(os.path.dirname(self.socket), "meta")
 
     @property
     def token_path(self) -> str:
@@ -96,6 +106,9 @@ class Config:
         return (f"socket={self.socket} shm_dir={self.shm_dir} meta_dir={self.metadata_dir} "
                 f"capacity={format_size(self.capacity_bytes)} "
                 f"default_namespace_capacity={format_size(self.default_namespace_capacity_bytes)} "
+                f"min_page_bytes={self.min_page_bytes} max_namespaces={self.max_namespaces} "
+                f"session_pin_share={self.session_pin_share} "
+                f"session_reserve_share={self.session_reserve_share} "
                 f"lease_ttl={self.lease_ttl_s}s log_level={self.log_level} fresh={self.fresh} "
                 f"namespaces=[{ns}] {self.cluster.summary()} "
                 f"config={self.config_file or '(embedded defaults)'}")
@@ -129,6 +142,26 @@ def _ttl(key: str, value: Any) -> float:
     return ttl
 
 
+def _count(key: str, value: Any) -> int:
+    try:
+        number = int(value) if not isinstance(value, (bool, float)) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not 1 <= number <= 1 << 20:
+        raise ConfigError(f"{key}: must be a whole number from 1 to {1 << 20}, not {value!r}")
+    return number
+
+
+def _share(key: str, value: Any) -> float:
+    try:
+        share = float(value) if not isinstance(value, bool) else -1.0
+    except (TypeError, ValueError):
+        share = -1.0
+    if not 0.0 < share <= 1.0:
+        raise ConfigError(f"{key}: must be a share above 0 and at most 1 (e.g. 0.5), not {value!r}")
+    return share
+
+
 def _level(key: str, value: Any) -> str:
     if not isinstance(value, str) or value.upper() not in LOG_LEVELS:
         raise ConfigError(f"{key}: must be one of {', '.join(LOG_LEVELS)}, not {value!r}")
@@ -141,11 +174,15 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "meta_dir": ("meta_dir", _path),
     "capacity": ("capacity_bytes", _size),
     "default_namespace_capacity": ("default_namespace_capacity_bytes", _size),
+    "min_page_bytes": ("min_page_bytes", _size),
+    "max_namespaces": ("max_namespaces", _count),
+    "session_pin_share": ("session_pin_share", _share),
+    "session_reserve_share": ("session_reserve_share", _share),
     "lease_ttl": ("lease_ttl_s", _ttl),
     "log_level": ("log_level", _level),
     "admin_token_file": ("admin_token_file", _path),
 }
-RELOADABLE = ("lease_ttl_s", "log_level")
+RELOADABLE = ("lease_ttl_s", "log_level", "session_pin_share", "session_reserve_share")
 
 
 def _namespaces(value: Any) -> dict[str, NamespaceConfig]:
@@ -289,16 +326,24 @@ def build(config_file: str | None = None, env: dict[str, str] | None = None,
     if config_file:
         cfg = _apply(cfg, load_file(config_file), os.path.basename(config_file))
         cfg = replace(cfg, config_file=os.path.abspath(config_file))
-    cfg = _apply(cfg, from_env(environ), "environment")
-    cfg = _apply(cfg, {k: v for k, v in (flags or {}).items() if v is not None}, "flag")
-    return replace(cfg, fresh=fresh)
+    env_values = from_env(environ)
+    flag_values = {k: v for k, v in (flags or {}).items() if v is not None}
+    cfg = _apply(cfg, env_values, "environment")
+    cfg = _apply(cfg, flag_values, "flag")
+    return replace(cfg, fresh=fresh, env_values=env_values, flag_values=flag_values)
 
 
 def reload(current: Config) -> Config:
-    """What SIGHUP applies: the live-changeable keys from the file, env and flags as at start."""
+    """What SIGHUP applies: the live-changeable keys of the file, under env and flags as at start.
+
+    A key given by flag or environment keeps that value: the file only
+    changes what nothing above it set.
+    """
     if not current.config_file:
         return current
     fresh_cfg = _apply(Config(), load_file(current.config_file), os.path.basename(current.config_file))
+    fresh_cfg = _apply(fresh_cfg, current.env_values, "environment")
+    fresh_cfg = _apply(fresh_cfg, current.flag_values, "flag")
     return replace(current, **{name: getattr(fresh_cfg, name) for name in RELOADABLE})
 
 

@@ -17,6 +17,7 @@ a new one is taken: amortised O(N / batch) per eviction.
 
 from __future__ import annotations
 
+import bisect
 from array import array
 
 import numpy as np
@@ -36,24 +37,54 @@ class StampLRU:
         self._cand: list[int] = []
         self._cand_stamps: list[int] = []
         self._pos = 0
+        # Pages not HELD: with none, pop_victim answers at once instead of
+        # scanning the region (a reserve on a full, all-pinned region).
+        self.evictable = 0
 
     def release(self, page: int) -> None:
         """``page`` may be evicted from now on, as the most recently used (commit, last unpin)."""
+        if self.stamps[page] == HELD:
+            self.evictable += 1
         self.stamps[page] = self.clock
         self.clock += 1
 
     def release_many(self, pages: np.ndarray) -> None:
         """``release`` each page, in order (adoption)."""
         n = len(pages)
+        self.evictable += int(np.count_nonzero(self._view[pages] == HELD))
         self._view[pages] = np.arange(self.clock, self.clock + n, dtype=np.uint64)
         self.clock += n
 
     def hold(self, page: int) -> None:
         """``page`` may not be evicted (freed, pinned)."""
+        if self.stamps[page] != HELD:
+            self.evictable -= 1
         self.stamps[page] = HELD
+
+    def hold_many(self, pages: np.ndarray) -> None:
+        """``hold`` each page (vectorised)."""
+        self.evictable -= int(np.count_nonzero(self._view[pages] != HELD))
+        self._view[pages] = HELD
 
     def is_held(self, page: int) -> bool:
         return self.stamps[page] == HELD
+
+    def restore(self, page: int, stamp: int) -> None:
+        """Release ``page`` at an earlier stamp (``hold`` for a read that must not reorder it).
+
+        A stamp older than the current victim batch's newest goes into the batch,
+        in order, so the first valid entry is still exactly the LRU page.
+        """
+        if stamp == HELD:
+            return
+        if self.stamps[page] == HELD:
+            self.evictable += 1
+        self.stamps[page] = stamp
+        cand_stamps = self._cand_stamps
+        if self._pos < len(cand_stamps) and stamp < cand_stamps[-1]:
+            at = bisect.bisect_left(cand_stamps, stamp, self._pos)
+            cand_stamps.insert(at, stamp)
+            self._cand.insert(at, page)
 
     @staticmethod
     def is_held_stamp(stamp: int) -> bool:
@@ -90,6 +121,8 @@ class StampLRU:
 
     def pop_victim(self) -> int | None:
         """The least recently used evictable page, now held; None when none is evictable."""
+        if self.evictable <= 0:
+            return None
         stamps = self.stamps
         while True:
             cand, cand_stamps = self._cand, self._cand_stamps
@@ -100,6 +133,7 @@ class StampLRU:
                 if stamps[page] == cand_stamps[pos - 1]:
                     self._pos = pos
                     stamps[page] = HELD
+                    self.evictable -= 1
                     return page
             self._pos = pos
             if not self._refill():

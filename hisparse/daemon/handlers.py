@@ -9,6 +9,7 @@ turns into ``INTERNAL`` and a logged traceback.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -20,7 +21,8 @@ from typing import Any
 
 import hisparse
 from hisparse.daemon.config import Config
-from hisparse.daemon.namespaces import Registry
+from hisparse.daemon.governance import check_pin_quota, handle_drop, reserve_room
+from hisparse.daemon.namespaces import Namespace, Registry
 from hisparse.daemon.sessions import PinHold, Session, SessionTable, Zombie
 from hisparse.daemon.proclocks import lock_holders
 from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch
@@ -41,6 +43,10 @@ from hisparse.protocol import (
 
 log = logging.getLogger(__name__)
 
+# Entries of an `events` or `keys` reply, at most (fewer than asked is allowed):
+# with 64-byte keys a reply stays under ~1.3 MB however large the limit asked.
+MAX_REPLY_ENTRIES = 16_384
+
 
 @dataclass
 class DaemonContext:
@@ -56,6 +62,7 @@ class DaemonContext:
     cluster: Any = None  # hisparse.daemon.cluster.ClusterTier when [cluster] is on
     requests_total: int = 0
     errors_total: int = 0
+    transport_stats: Callable[[], dict[str, int]] = lambda: {}
 
     def __post_init__(self) -> None:
         if not self.fence_dir:
@@ -63,9 +70,7 @@ class DaemonContext:
             os.makedirs(self.fence_dir, mode=FENCE_DIR_MODE, exist_ok=True)
 
 
-# A handler answers with the reply's ok body, or with a Future of it that the
-# cluster worker resolves (the server sends the reply when it is done).
-Handler = Callable[[DaemonContext, Any, Any], "dict[str, Any] | Future"]
+Handler = Callable[[DaemonContext, Any, Any], dict[str, Any]]
 
 
 def _ns(session: Session):
@@ -76,19 +81,45 @@ def _ns(session: Session):
 
 # -- session-less ops --
 
-def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, Any]:
-    ns = None
-    if req.namespace is not None:
-        assert req.layout is not None
-        try:
-            ns = ctx.registry.get_or_create(req.namespace, req.layout, req.capacity_bytes)
-        except LayoutMismatch as exc:
-            raise WireError(ErrorCode.LAYOUT_MISMATCH, str(exc)) from None
-        except CapacityError as exc:
-            raise WireError(ErrorCode.CAPACITY, str(exc)) from None
-        except InvalidArgument as exc:
-            raise WireError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
-    session = ctx.sessions.open(ns, req.client, ctx.peer, ctx.fence_dir)
+@dataclass
+class Deferred:
+    """A reply that waits for work off the loop: ``finish(result)`` builds its body on the loop."""
+
+    future: Any  # asyncio.Future
+    finish: Callable[[Any], dict[str, Any]]
+    errors: Callable[[BaseException], WireError | None] = lambda exc: None
+
+
+def _attach_errors(exc: BaseException) -> WireError | None:
+    if isinstance(exc, LayoutMismatch):
+        return WireError(ErrorCode.LAYOUT_MISMATCH, str(exc))
+    if isinstance(exc, CapacityError):
+        return WireError(ErrorCode.CAPACITY, str(exc))
+    if isinstance(exc, InvalidArgument):
+        return WireError(ErrorCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, OSError):  # e.g. shm_dir full or gone: the daemon serves on
+        return WireError(ErrorCode.CAPACITY, f"the region could not be created: {exc}")
+    return None
+
+
+def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, Any] | Deferred:
+    if req.namespace is None:
+        return _open_session(ctx, None, req, [], ctx.peer)
+    assert req.layout is not None
+    warnings: list[str] = []
+    peer = ctx.peer  # the connection the session is bound to, also when answered later
+    try:
+        got = ctx.registry.attach(req.namespace, req.layout, req.capacity_bytes, warnings)
+    except (LayoutMismatch, CapacityError, InvalidArgument) as exc:
+        raise _attach_errors(exc) from None  # type: ignore[misc]
+    if not isinstance(got, Namespace):  # its region is being allocated off the loop
+        return Deferred(got, lambda ns: _open_session(ctx, ns, req, warnings, peer), _attach_errors)
+    return _open_session(ctx, got, req, warnings, peer)
+
+
+def _open_session(ctx: DaemonContext, ns: Namespace | None, req: HelloRequest,
+                  warnings: list[str], peer: bytes) -> dict[str, Any]:
+    session = ctx.sessions.open(ns, req.client, peer, ctx.fence_dir)
     if ns is not None:
         log.info("attach: %s", session.describe())
     else:
@@ -100,6 +131,7 @@ def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, An
         "daemon_version": hisparse.__version__,
         "region": ns.region_info() if ns else None,
         "events_seq": ns.index.events.last_seq if ns else 0,
+        "warnings": warnings,
         "fence": session.fence.name if session.fence else None,
     }
 
@@ -111,7 +143,7 @@ def handle_ping(ctx: DaemonContext, _: None, req: Request) -> dict[str, Any]:
 
 # -- data ops --
 
-def handle_lookup(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any] | Future:
+def handle_lookup(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any] | Deferred:
     ns = _ns(session)
     count = ns.index.lookup(req.keys)
     if not req.remote:
@@ -119,29 +151,24 @@ def handle_lookup(ctx: DaemonContext, session: Session, req: KeysRequest) -> dic
     if ctx.cluster is None or count == len(req.keys):
         return {"count": count, "remote": 0}
     remote = ctx.cluster.remote_prefix(ns, req.keys[count:], req.wait)
-    if isinstance(remote, Future):
-        return _then(remote, lambda n: {"count": count, "remote": n})
+    if isinstance(remote, Future):  # the cluster worker answers (within cluster.timeout)
+        return Deferred(asyncio.wrap_future(remote), lambda n: {"count": count, "remote": n},
+                        _cluster_errors)
     return {"count": count, "remote": remote}
 
 
-def handle_prefetch(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any] | Future:
+def handle_prefetch(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any] | Deferred:
     if ctx.cluster is None:
         raise WireError(ErrorCode.CLUSTER_UNAVAILABLE,
                         "this hisparsed has no cluster tier: set [cluster] backend in its config")
-    return ctx.cluster.prefetch(_ns(session), req.keys, req.wait)
+    body = ctx.cluster.prefetch(_ns(session), req.keys, req.wait)
+    if isinstance(body, Future):
+        return Deferred(asyncio.wrap_future(body), lambda done: done, _cluster_errors)
+    return body
 
 
-def _then(fut: Future, fn: Callable[[Any], dict[str, Any]]) -> Future:
-    out: Future = Future()
-
-    def done(f: Future) -> None:
-        exc = f.exception()
-        if exc is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result(fn(f.result()))
-    fut.add_done_callback(done)
-    return out
+def _cluster_errors(exc: BaseException) -> WireError | None:
+    return exc if isinstance(exc, WireError) else None
 
 
 def _require_fence(session: Session, what: str) -> None:
@@ -159,7 +186,7 @@ def _require_fence(session: Session, what: str) -> None:
 def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     ns = _ns(session)
     _require_fence(session, "reserve")
-    slots, evicted = ns.index.reserve(req.keys, session.reservations)
+    slots, evicted = ns.index.reserve(req.keys, session.reservations, reserve_room(ctx, session))
     # The hold is on record before the reply grants it: a successor daemon fences it.
     session.fence.add_reserved([s for s in slots if s >= 0])  # type: ignore[union-attr]
     if evicted:
@@ -222,6 +249,7 @@ def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict
 def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     ns = _ns(session)
     _require_fence(session, "pin")
+    check_pin_quota(ctx, session, ns.index.committed_prefix_pages(req.keys))
     pages = ns.index.pin(req.keys)
     session.fence.add_pins(pages)  # type: ignore[union-attr]
     pins = session.pins
@@ -289,6 +317,7 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
         "fenced_sessions_released": ctx.sessions.zombies_released_total,
     }
     daemon.update(ctx.registry.stats())
+    daemon.update(ctx.transport_stats())
     daemon["cluster"] = ctx.cluster.stats() if ctx.cluster is not None else {"backend": "none"}
     body: dict[str, Any] = {"daemon": daemon, "namespaces": namespaces}
     if session.namespace is None:  # hisparsectl: who holds what, stalled ones included
@@ -319,7 +348,7 @@ def _session_rows(ctx: DaemonContext) -> list[dict[str, Any]]:
 
 
 def handle_events(ctx: DaemonContext, session: Session, req: EventsRequest) -> dict[str, Any]:
-    events, seq, reset = _ns(session).index.events.since(req.after, req.limit)
+    events, seq, reset = _ns(session).index.events.since(req.after, min(req.limit, MAX_REPLY_ENTRIES))
     return {"seq": seq, "events": [list(e) for e in events], "reset": reset}
 
 
@@ -327,7 +356,7 @@ def handle_keys(ctx: DaemonContext, session: Session, req: KeysPageRequest) -> d
     index = _ns(session).index
     seq = index.events.last_seq
     index.events.enabled = True
-    keys, cursor = index.committed_page(req.cursor, req.limit)
+    keys, cursor = index.committed_page(req.cursor, min(req.limit, MAX_REPLY_ENTRIES))
     return {"keys": [list(k) for k in keys], "next_cursor": cursor, "seq": seq}
 
 
@@ -395,6 +424,7 @@ HANDLERS: dict[Op, Handler] = {
     Op.SHUTDOWN: handle_shutdown,
     Op.BYE: handle_bye,
     Op.EVICT_SESSION: handle_evict_session,
+    Op.DROP: handle_drop,
     Op.PREFETCH: handle_prefetch,
 }
 assert set(HANDLERS) == set(Op), "every op needs a handler"

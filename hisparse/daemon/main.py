@@ -22,15 +22,18 @@ import zmq.asyncio
 
 from hisparse import protocol
 from hisparse.daemon import config as config_mod
-from hisparse.daemon import notify
+from hisparse.daemon import notify, trust
 from hisparse.daemon.handlers import DaemonContext
 from hisparse.daemon.namespaces import Registry
 from hisparse.daemon.server import Server, endpoint_for
 from hisparse.daemon.sessions import SessionTable
 from hisparse.errors import HisparseError
+from hisparse.layout import format_size
 from hisparse.shm.fence import FENCE_DIR_MODE, fence_dir_for
 
 log = logging.getLogger("hisparse.daemon")
+
+LOCK_NAME = "hisparsed.lock"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,9 +43,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--socket", metavar="PATH", help="unix socket to listen on")
     p.add_argument("--capacity", metavar="SIZE", help="all regions together, e.g. 64GiB, 512MiB")
     p.add_argument("--shm-dir", metavar="DIR", help="where region files live (tmpfs or hugetlbfs)")
-    p.add_argument("--meta-dir", metavar="DIR", help="where metadata tables live (default: shm dir)")
+    p.add_argument("--meta-dir", metavar="DIR", help="where metadata tables and the lock live, a "
+                   "directory only the daemon's user may write (default: meta/ beside the socket)")
     p.add_argument("--default-namespace-capacity", metavar="SIZE",
                    help="region size of a namespace neither the config nor its attach sizes")
+    p.add_argument("--min-page-bytes", metavar="SIZE", help="refuse layouts with smaller pages (default 64)")
+    p.add_argument("--max-namespaces", metavar="N", help="most namespaces at once (default 64)")
+    p.add_argument("--session-pin-share", metavar="SHARE",
+                   help="most of a namespace's pages one session may pin (default 1)")
+    p.add_argument("--session-reserve-share", metavar="SHARE",
+                   help="most of a namespace's pages one session may hold reserved (default 1)")
     p.add_argument("--lease-ttl", metavar="SECONDS", help="silence after which a session expires")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument("--admin-token-file", metavar="PATH", help="default: hisparsed.token beside the socket")
@@ -60,26 +70,41 @@ def _setup_logging(level: str) -> None:
 
 
 def _lock_state_dir(cfg: config_mod.Config) -> int:
-    """One daemon per metadata directory: two would adopt the same pages."""
-    os.makedirs(cfg.metadata_dir, exist_ok=True)
-    fd = os.open(os.path.join(cfg.metadata_dir, "hisparsed.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                 0o600)
+    """One daemon per metadata directory: two would adopt the same pages.
+
+    The lock file says who holds it (pid and socket), so the refusal of a
+    second daemon names the first.
+    """
+    trust.private_dir(cfg.metadata_dir, "meta_dir")
+    path = os.path.join(cfg.metadata_dir, LOCK_NAME)
+    try:
+        fd = trust.create_exclusive(path, 0o600)
+    except FileExistsError:
+        fd = trust.open_owned(path, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise HisparseError(f"another hisparsed holds {cfg.metadata_dir}/hisparsed.lock") from None
+        raise HisparseError(f"another hisparsed ({holder}) holds {path}: stop it, or give this "
+                            "one another --socket or --meta-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}, socket {cfg.socket}\n".encode(), 0)
     return fd
 
 
 def _prepare_socket(path: str) -> None:
     directory = os.path.dirname(path)
-    if not os.path.isdir(directory):
-        os.makedirs(directory, mode=0o755, exist_ok=True)
-    if os.path.exists(path):
+    # Root may own it (/run/hisparsed made by systemd for the service user is
+    # the user's, but a root-made parent is fine); nobody else may write it:
+    # they could swap the socket for a fake daemon or read the admin token.
+    trust.private_dir(directory, "socket directory", allow_root_owner=True)
+    if os.path.lexists(path):
         if _answers(path):
             raise HisparseError(f"another hisparsed is serving on {path}")
-        os.unlink(path)  # left by a daemon that died
+        if not trust.unlink_own(path):
+            raise trust.UnsafePath(f"{path} exists and is not hisparsed's: remove it or choose "
+                                   "another --socket")
 
 
 def _answers(path: str, timeout_s: float = 0.5) -> bool:
@@ -96,14 +121,22 @@ def _answers(path: str, timeout_s: float = 0.5) -> bool:
 
 def _write_token(path: str) -> str:
     token = secrets.token_hex(32)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(token + "\n")
-    os.replace(tmp, path)
+    trust.private_dir(os.path.dirname(path), "admin token directory", allow_root_owner=True)
+    trust.write_private_file(path, token + "\n")
     return token
+
+
+def _warn_free_shm(cfg: config_mod.Config, registry: Registry) -> None:
+    try:
+        st = os.statvfs(cfg.shm_dir)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    wanted = cfg.capacity_bytes - registry.allocated_bytes
+    if wanted > free:
+        log.warning("--capacity leaves %s to allocate but %s has only %s free: namespaces will be "
+                    "refused (CAPACITY) before --capacity is reached; lower --capacity or grow %s",
+                    format_size(wanted), cfg.shm_dir, format_size(free), cfg.shm_dir)
 
 
 async def _announce_ready(endpoint: str, socket_path: str) -> None:
@@ -144,11 +177,14 @@ def _cluster_tier(cfg: config_mod.ClusterConfig):
 def run(cfg: config_mod.Config) -> int:
     lock_fd = _lock_state_dir(cfg)
     os.makedirs(cfg.shm_dir, exist_ok=True)
+    trust.shared_dir(cfg.shm_dir, "shm_dir")
     registry = Registry(cfg)
     registry.adopt_all()
+    _warn_free_shm(cfg, registry)
     _prepare_socket(cfg.socket)
     fence_dir = fence_dir_for(cfg.socket)
     os.makedirs(fence_dir, mode=FENCE_DIR_MODE, exist_ok=True)
+    trust.private_dir(fence_dir, "fence directory (fences/ beside the socket)", create=False)
     sessions = SessionTable(cfg.lease_ttl_s)
     # Sessions of the earlier run are gone, but their processes may still be
     # copying: their pages stay fenced until each process lets go.
@@ -179,13 +215,11 @@ def run(cfg: config_mod.Config) -> int:
             ctx.cluster.stop()
         # Clients may be mid-copy: their fences stay, and the next daemon fences their pages.
         ctx.sessions.detach_all()
+        registry.close()
         registry.flush()
         server.close()
         for path in (cfg.socket, cfg.token_path):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            trust.unlink_own(path)
         os.close(lock_fd)
         log.info("stopped (%s): %d namespaces flushed", reason, len(registry.namespaces))
     return 0
@@ -196,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     flags = {"socket": args.socket, "capacity": args.capacity, "shm_dir": args.shm_dir,
              "meta_dir": args.meta_dir, "lease_ttl": args.lease_ttl, "log_level": args.log_level,
              "default_namespace_capacity": args.default_namespace_capacity,
-             "admin_token_file": args.admin_token_file}
+             "admin_token_file": args.admin_token_file, "min_page_bytes": args.min_page_bytes,
+             "max_namespaces": args.max_namespaces, "session_pin_share": args.session_pin_share,
+             "session_reserve_share": args.session_reserve_share}
     try:
         cfg = config_mod.build(args.config, flags=flags, fresh=args.fresh)
     except HisparseError as exc:

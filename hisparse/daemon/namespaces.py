@@ -1,36 +1,57 @@
-"""Namespaces and their regions: creation, sizing, adoption after a restart.
+"""Namespaces and their regions: creation, sizing, charging, dropping, adoption.
 
-Each namespace owns one region file (``hisparse-<tag>.region``, mode 0660, in
-``shm_dir``) and one metadata table (``hisparse-<tag>.meta``, mode 0600, in
-``meta_dir``), where ``tag`` is a hash of the namespace's name. The table's
-header names the namespace, its geometry and the region's random id, so a
-restarted daemon can adopt both without any other state.
+Each namespace owns one region file (``hisparse-<tag>-<id>.region``, mode
+0660, in ``shm_dir``) and one metadata table (``hisparse-<tag>.meta``, mode
+0600, in ``meta_dir``), where ``tag`` is a hash of the namespace's name and
+``id`` the region's random id. The table's header names the namespace, its
+geometry and the region file, so a restarted daemon can adopt both without
+any other state (``adoption``). A region's name is unguessable, so no file
+planted in a shared ``shm_dir`` can stand in for it or block its creation.
+
+A namespace costs its region, its table and its in-memory index; all three
+are charged against ``--capacity`` (``namespace_cost_bytes``). Creating a
+region allocates it (``fallocate``), which takes seconds per GiB: that runs
+on a worker thread, and the namespace's attachers are answered when it is
+ready while the event loop serves everyone else.
 """
 
 from __future__ import annotations
 
-import glob
+import asyncio
+import concurrent.futures
 import hashlib
 import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass
 
+from hisparse.daemon import trust
 from hisparse.daemon.config import Config
 from hisparse.daemon.index import NamespaceIndex
 from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch
 from hisparse.layout import KVLayout, format_size
 from hisparse.shm.region import RegionGeometry, create_file, file_size_for
-from hisparse.shm.table import MetaTable, TableHeader
+from hisparse.shm.table import MetaTable, TableHeader, table_size
 
 log = logging.getLogger(__name__)
 
 REGION_SUFFIX = ".region"
 TABLE_SUFFIX = ".meta"
+# In-memory index per page, measured (tracemalloc, 36-byte keys): ~153 B of
+# key dict entry, 25 B of arrays (page key, state, pins, LRU stamp, free
+# stack); rounded up for 64-byte keys.
+INDEX_BYTES_PER_PAGE = 208
 
 
 def namespace_tag(namespace: str) -> str:
     return hashlib.sha256(namespace.encode()).hexdigest()[:20]
+
+
+def namespace_cost_bytes(shm_dir: str, geometry: RegionGeometry) -> int:
+    """What a namespace takes from ``--capacity``: region file + metadata table + index."""
+    return (file_size_for(shm_dir, geometry.size_bytes) + table_size(geometry.num_pages)
+            + INDEX_BYTES_PER_PAGE * geometry.num_pages)
 
 
 @dataclass
@@ -43,6 +64,7 @@ class Namespace:
     table: MetaTable
     index: NamespaceIndex
     created: bool  # by this daemon run (False: adopted)
+    cost_bytes: int = 0
 
     def region_info(self) -> dict[str, object]:
         g = self.geometry
@@ -60,140 +82,210 @@ class Namespace:
         }
 
 
+@dataclass
+class _Creation:
+    """A namespace whose region is being allocated on a worker thread."""
+
+    name: str
+    layout: KVLayout
+    geometry: RegionGeometry
+    cost_bytes: int
+    future: asyncio.Future
+
+
 class Registry:
     """Every namespace of this daemon, within ``capacity_bytes`` together."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.namespaces: dict[str, Namespace] = {}
+        self.creating: dict[str, _Creation] = {}
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(ns.geometry.size_bytes for ns in self.namespaces.values())
+        """Charged against ``--capacity``: live namespaces and those being created."""
+        return (sum(ns.cost_bytes for ns in self.namespaces.values())
+                + sum(c.cost_bytes for c in self.creating.values()))
 
-    def _paths(self, namespace: str) -> tuple[str, str]:
-        tag = namespace_tag(namespace)
-        return (os.path.join(self.config.shm_dir, f"hisparse-{tag}{REGION_SUFFIX}"),
-                os.path.join(self.config.metadata_dir, f"hisparse-{tag}{TABLE_SUFFIX}"))
+    def table_path(self, namespace: str) -> str:
+        return os.path.join(self.config.metadata_dir, f"hisparse-{namespace_tag(namespace)}{TABLE_SUFFIX}")
+
+    def region_path(self, namespace: str, region_id: int) -> str:
+        return os.path.join(self.config.shm_dir,
+                            f"hisparse-{namespace_tag(namespace)}-{region_id:016x}{REGION_SUFFIX}")
 
     # -- start-up --
 
     def adopt_all(self) -> None:
-        """Adopt the regions an earlier run left, or remove them with ``--fresh``."""
-        pattern = os.path.join(self.config.metadata_dir, f"hisparse-*{TABLE_SUFFIX}")
-        for table_path in sorted(glob.glob(pattern)):
-            if self.config.fresh:
-                self._remove(table_path)
-                continue
-            try:
-                self._adopt(table_path)
-            except (InvalidArgument, CapacityError, OSError) as exc:
-                log.warning("not adopting %s: %s; removing it", table_path, exc)
-                self._remove(table_path)
-        if self.config.fresh:
-            for region in glob.glob(os.path.join(self.config.shm_dir, f"hisparse-*{REGION_SUFFIX}")):
-                _unlink(region)
+        """Adopt what an earlier run left (or remove it with ``--fresh``)."""
+        from hisparse.daemon.adoption import adopt_all
 
-    def _adopt(self, table_path: str) -> None:
-        table = MetaTable.open(table_path)
-        h = table.header
-        region_path, expected_table = self._paths(h.namespace)
-        if os.path.abspath(expected_table) != os.path.abspath(table_path):
-            table.close()
-            raise InvalidArgument("table name does not match its namespace")
-        if not os.path.exists(region_path):
-            table.close()
-            raise InvalidArgument(f"its region {region_path} is gone")
-        if os.path.getsize(region_path) < h.geometry.size_bytes:
-            table.close()
-            raise InvalidArgument(f"its region {region_path} is smaller than its geometry")
-        configured = self.config.namespaces.get(h.namespace)
-        if configured and configured.capacity_bytes // h.geometry.layout.page_bytes != h.geometry.num_pages:
-            table.close()
-            raise InvalidArgument("the configured capacity changed its page count")
-        if self.allocated_bytes + h.geometry.size_bytes > self.config.capacity_bytes:
-            table.close()
-            raise CapacityError("it does not fit in --capacity any more")
-        index = NamespaceIndex(table)
-        committed, freed = index.adopt()
-        self.namespaces[h.namespace] = Namespace(h.namespace, h.geometry.layout, h.geometry,
-                                                 region_path, h.region_id, table, index, False)
-        log.info("adopted namespace %r: %d pages, %d committed, %d WRITING freed, region %s",
-                 h.namespace, h.geometry.num_pages, committed, freed, region_path)
-
-    def _remove(self, table_path: str) -> None:
-        try:
-            namespace = MetaTable.open(table_path)
-            region_path = self._paths(namespace.header.namespace)[0]
-            namespace.close()
-            _unlink(region_path)
-        except (InvalidArgument, OSError, UnicodeDecodeError):
-            pass
-        _unlink(table_path)
+        adopt_all(self)
 
     # -- attach --
 
     def get_or_create(self, name: str, layout: KVLayout, capacity_bytes: int | None) -> Namespace:
+        """Synchronous attach (tools and benchmarks): creates the region on this thread."""
+        ns = self._existing(name, layout, capacity_bytes, [])
+        if ns is not None:
+            return ns
+        geometry, cost = self._plan(name, layout, capacity_bytes, [])
+        return self._register(name, layout, self._build(name, geometry), cost)
+
+    def attach(self, name: str, layout: KVLayout, capacity_bytes: int | None,
+               warnings: list[str]) -> Namespace | asyncio.Future:
+        """The namespace, or a future of it while its region is allocated off the loop.
+
+        Raises ``LayoutMismatch``, ``CapacityError`` or ``InvalidArgument``;
+        appends to ``warnings`` what the attacher should be told (a capacity
+        that is not the namespace's).
+        """
+        ns = self._existing(name, layout, capacity_bytes, warnings)
+        if ns is not None:
+            return ns
+        pending = self.creating.get(name)
+        if pending is not None:
+            self._check_same(name, pending.layout, layout, pending.geometry, capacity_bytes, warnings)
+            return pending.future
+        geometry, cost = self._plan(name, layout, capacity_bytes, warnings)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self.creating[name] = _Creation(name, layout, geometry, cost, future)
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hisparse-alloc")
+        work = loop.run_in_executor(self._executor, self._build, name, geometry)
+
+        def done(work: asyncio.Future) -> None:
+            self.creating.pop(name, None)
+            if work.cancelled():
+                future.cancel()
+                return
+            if work.exception() is not None:
+                future.set_exception(work.exception())
+                return
+            future.set_result(self._register(name, layout, work.result(), cost))
+
+        work.add_done_callback(done)
+        return future
+
+    def _existing(self, name: str, layout: KVLayout, capacity_bytes: int | None,
+                  warnings: list[str]) -> Namespace | None:
         ns = self.namespaces.get(name)
         if ns is not None:
-            if ns.layout != layout:
-                raise LayoutMismatch(
-                    f"namespace {name!r} exists with layout {ns.layout}, not {layout}")
-            return ns
-        return self._create(name, layout, capacity_bytes)
+            self._check_same(name, ns.layout, layout, ns.geometry, capacity_bytes, warnings)
+        return ns
 
-    def _create(self, name: str, layout: KVLayout, requested_bytes: int | None) -> Namespace:
-        configured = self.config.namespaces.get(name)
+    def _check_same(self, name: str, have: KVLayout, want: KVLayout, geometry: RegionGeometry,
+                    capacity_bytes: int | None, warnings: list[str]) -> None:
+        if have != want:
+            raise LayoutMismatch(f"namespace {name!r} exists with layout {have}, not {want}")
+        if capacity_bytes is not None and capacity_bytes // want.page_bytes != geometry.num_pages:
+            text = (f"namespace {name!r} exists with {format_size(geometry.size_bytes)} "
+                    f"({geometry.num_pages} pages); the requested {format_size(capacity_bytes)} is "
+                    "ignored: drop the namespace (hisparsectl drop) or size it in the config to resize it")
+            log.warning("%s", text)
+            warnings.append(text)
+
+    def _plan(self, name: str, layout: KVLayout, requested_bytes: int | None,
+              warnings: list[str]) -> tuple[RegionGeometry, int]:
+        """The geometry and cost of a new namespace, or the refusal that names the limit."""
+        cfg = self.config
+        if layout.page_bytes < cfg.min_page_bytes:
+            raise InvalidArgument(
+                f"pages of {layout.page_bytes} B ({layout}) are below min_page_bytes "
+                f"({cfg.min_page_bytes} B): a KV page holds a block of tokens of every layer")
+        if len(self.namespaces) + len(self.creating) >= cfg.max_namespaces:
+            raise CapacityError(f"max_namespaces ({cfg.max_namespaces}) reached: drop one "
+                                "(hisparsectl drop NAME) or raise max_namespaces")
+        configured = cfg.namespaces.get(name)
         if configured is not None:
             capacity = configured.capacity_bytes
+            if requested_bytes is not None and requested_bytes != capacity:
+                warnings.append(f"namespace {name!r} is sized {format_size(capacity)} by the daemon's "
+                                f"config; the requested {format_size(requested_bytes)} is ignored")
         elif requested_bytes is not None:
             capacity = requested_bytes
         else:
-            # Unsized: the default, or what is left when less is, rather than a refusal.
-            capacity = min(self.config.default_namespace_capacity_bytes,
-                           self.config.capacity_bytes - self.allocated_bytes)
-        left = self.config.capacity_bytes - self.allocated_bytes
+            capacity = cfg.default_namespace_capacity_bytes
+        left = cfg.capacity_bytes - self.allocated_bytes
         if capacity < layout.page_bytes:
-            raise CapacityError(
-                f"namespace {name!r} needs at least one page of {format_size(layout.page_bytes)}; "
-                f"{format_size(left)} of the daemon's {format_size(self.config.capacity_bytes)} is left")
+            raise CapacityError(f"namespace {name!r}: {format_size(capacity)} holds no page of "
+                                f"{format_size(layout.page_bytes)}")
         geometry = RegionGeometry.for_capacity(layout, capacity)
-        if geometry.size_bytes > left:
+        cost = namespace_cost_bytes(cfg.shm_dir, geometry)
+        if cost > left:
             raise CapacityError(
-                f"namespace {name!r} needs {format_size(geometry.size_bytes)}; "
-                f"{format_size(left)} of the daemon's {format_size(self.config.capacity_bytes)} is left")
-        region_path, table_path = self._paths(name)
-        for stale in (region_path, table_path):
-            _unlink(stale)  # a leftover that was not adopted: never reuse its bytes
+                f"namespace {name!r} needs {format_size(cost)} (region, table and index); "
+                f"{format_size(left)} of the daemon's capacity {format_size(cfg.capacity_bytes)} is "
+                "left: ask for less, drop a namespace, or raise --capacity")
+        return geometry, cost
+
+    def _build(self, name: str, geometry: RegionGeometry) -> tuple[str, int, MetaTable, NamespaceIndex]:
+        """Allocate the region, write its table, build its index (a worker thread)."""
+        started = time.monotonic()
         region_id = secrets.randbits(62)
-        create_file(region_path, geometry.size_bytes)
+        region_path = self.region_path(name, region_id)
+        table_path = self.table_path(name)
+        if os.path.lexists(table_path) and not trust.unlink_own(table_path):
+            raise InvalidArgument(f"{table_path} is in the way and is not hisparsed's: remove it")
+        try:
+            create_file(region_path, geometry.size_bytes)
+        except Exception as exc:
+            log.error("region of namespace %r (%s) not allocated in %s: %s", name,
+                      format_size(geometry.size_bytes), self.config.shm_dir, exc)
+            raise
         try:
             table = MetaTable.create(table_path, TableHeader(name, geometry, region_id,
                                                              os.path.basename(region_path)))
-        except BaseException:
-            _unlink(region_path)
+        except BaseException as exc:
+            log.error("metadata table of namespace %r not created: %s", name, exc)
+            trust.unlink_own(region_path)
             raise
-        ns = Namespace(name, layout, geometry, region_path, region_id, table,
-                       NamespaceIndex(table), True)
+        index = NamespaceIndex(table)
+        log.debug("allocated %s for %r in %.2fs", format_size(geometry.size_bytes), name,
+                  time.monotonic() - started)
+        return region_path, region_id, table, index
+
+    def _register(self, name: str, layout: KVLayout,
+                  built: tuple[str, int, MetaTable, NamespaceIndex], cost: int) -> Namespace:
+        region_path, region_id, table, index = built
+        geometry = table.header.geometry
+        ns = Namespace(name, layout, geometry, region_path, region_id, table, index, True, cost)
         self.namespaces[name] = ns
-        log.info("created namespace %r: %d pages of %s (%s), region %s", name, geometry.num_pages,
-                 format_size(layout.page_bytes), format_size(geometry.size_bytes), region_path)
+        log.info("created namespace %r: %d pages of %s (%s; %s charged), region %s", name,
+                 geometry.num_pages, format_size(layout.page_bytes), format_size(geometry.size_bytes),
+                 format_size(cost), region_path)
+        return ns
+
+    # -- drop --
+
+    def drop(self, name: str) -> Namespace:
+        """Forget a namespace and remove its files; its memory goes back to ``--capacity``.
+
+        The caller has closed its sessions. Clients still mapping the region
+        keep their mapping until they unmap it (tmpfs frees it then).
+        """
+        ns = self.namespaces.pop(name)
+        ns.table.close()
+        trust.unlink_own(ns.table.path)
+        trust.unlink_own(ns.region_path)
+        log.info("dropped namespace %r: %s back to the capacity", name, format_size(ns.cost_bytes))
         return ns
 
     def flush(self) -> None:
         for ns in self.namespaces.values():
             ns.table.flush()
 
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
     def stats(self) -> dict[str, object]:
         cap = self.config.capacity_bytes
         used = self.allocated_bytes
         return {"capacity_bytes": cap, "allocated_bytes": used, "unallocated_bytes": cap - used,
+                "namespaces_creating": len(self.creating),
+                "max_namespaces": self.config.max_namespaces,
                 "region_file_bytes": sum(file_size_for(self.config.shm_dir, ns.geometry.size_bytes)
                                          for ns in self.namespaces.values())}
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

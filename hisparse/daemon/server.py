@@ -15,13 +15,13 @@ import logging
 import os
 import signal
 import time
-from concurrent.futures import Future
 
 import zmq
 
 from hisparse import protocol
 from hisparse.daemon import notify
-from hisparse.daemon.handlers import HANDLERS, DaemonContext
+from hisparse.daemon.handlers import HANDLERS, DaemonContext, Deferred
+from hisparse.daemon.outbox import Outbox
 from hisparse.protocol import ErrorCode, Op, WireError
 
 log = logging.getLogger(__name__)
@@ -29,11 +29,22 @@ log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 0.2
 EVICTION_LOG_INTERVAL_S = 5.0
 MAX_BATCH = 256  # messages handled per reader callback before yielding to timers
+MAX_BATCH_S = 0.02  # ... or this long, so timers and signals run under a flood
+# Per connection: a flooding peer has at most RCVHWM requests queued in the
+# daemon, a peer that does not read at most SNDHWM replies (then its replies
+# are dropped). ZeroMQ's queues are per connection, and the ROUTER takes one
+# message from each connection in turn (fair queueing), so a flooding peer
+# delays another's request by at most one of its own requests per turn.
+RCVHWM_MESSAGES = 2
+SNDHWM_MESSAGES = 64
+# A frame above this is not even read: ZeroMQ drops the connection. Frames
+# between MAX_FRAME_BYTES and this get a FRAME_TOO_LARGE reply.
+MAX_WIRE_MESSAGE_BYTES = 2 * protocol.MAX_FRAME_BYTES
 
 
-def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"") -> bytes | Future:
-    """One request frame from connection ``peer`` in, one reply frame out (or a Future of it).
-    Never raises."""
+def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"") -> bytes | tuple[int | None, Deferred]:
+    """One request frame from connection ``peer`` in, one reply frame out (or a ``Deferred``
+    to finish later). Never raises."""
     ctx.requests_total += 1
     ctx.peer = peer
     rid: int | None = None
@@ -52,39 +63,44 @@ def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"") -> bytes | Fut
             log.debug("request %s id=%s session=%s", req.op.value, rid,
                       session.handle if session else "-")
         body = HANDLERS[req.op](ctx, session, req)
-        if isinstance(body, Future):  # the cluster tier answers later
-            return _deferred(ctx, rid, body)
+        if isinstance(body, Deferred):
+            return rid, body
         return protocol.encode_ok(rid, body)
     except WireError as exc:
-        ctx.errors_total += 1
-        if rid is None:
-            rid = protocol.request_id(frame)
-        log.debug("refused request id=%s: %s %s", rid, exc.code.value, exc.message)
-        return protocol.encode_error(rid, exc.code, exc.message)
+        return _refusal(ctx, frame, rid, exc)
     except Exception as exc:
-        ctx.errors_total += 1
-        log.error("internal error handling request id=%s", rid, exc_info=True)
-        return protocol.encode_error(rid if rid is not None else protocol.request_id(frame),
-                                     ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        return _internal(ctx, frame, rid, exc)
 
 
-def _deferred(ctx: DaemonContext, rid: int, body: Future) -> Future:
-    """The reply frame of a handler that answered with a Future of its body."""
-    out: Future = Future()
+def finish(ctx: DaemonContext, rid: int | None, deferred: Deferred, future) -> bytes:
+    """The reply of a deferred request once its future is done. Never raises."""
+    try:
+        exc = future.exception() if not future.cancelled() else RuntimeError("cancelled")
+        if exc is not None:
+            wire = deferred.errors(exc)
+            if wire is None:
+                raise exc
+            raise wire
+        return protocol.encode_ok(rid, deferred.finish(future.result()))
+    except WireError as exc:
+        return _refusal(ctx, b"", rid, exc)
+    except Exception as exc:
+        return _internal(ctx, b"", rid, exc)
 
-    def done(f: Future) -> None:
-        exc = f.exception()
-        if exc is None:
-            out.set_result(protocol.encode_ok(rid, f.result()))
-            return
-        ctx.errors_total += 1
-        if isinstance(exc, WireError):
-            out.set_result(protocol.encode_error(rid, exc.code, exc.message))
-        else:
-            log.error("internal error answering request id=%s", rid, exc_info=exc)
-            out.set_result(protocol.encode_error(rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
-    body.add_done_callback(done)
-    return out
+
+def _refusal(ctx: DaemonContext, frame: bytes, rid: int | None, exc: WireError) -> bytes:
+    ctx.errors_total += 1
+    if rid is None:
+        rid = protocol.request_id(frame)
+    log.debug("refused request id=%s: %s %s", rid, exc.code.value, exc.message)
+    return protocol.encode_error(rid, exc.code, exc.message)
+
+
+def _internal(ctx: DaemonContext, frame: bytes, rid: int | None, exc: Exception) -> bytes:
+    ctx.errors_total += 1
+    log.error("internal error handling request id=%s", rid, exc_info=exc)
+    return protocol.encode_error(rid if rid is not None else protocol.request_id(frame),
+                                 ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
 class Server:
@@ -94,9 +110,15 @@ class Server:
         self.zmq = zmq.Context.instance()
         self.sock = self.zmq.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 10_000)
-        self.sock.setsockopt(zmq.RCVHWM, 100_000)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # drop replies to vanished peers
+        self.sock.setsockopt(zmq.SNDHWM, SNDHWM_MESSAGES)
+        self.sock.setsockopt(zmq.RCVHWM, RCVHWM_MESSAGES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_MESSAGE_BYTES)
+        # A full peer queue or a vanished peer is reported to the send, not
+        # silently dropped: the outbox keeps a bounded backlog or drops it.
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.outbox = Outbox(self.sock)
+        ctx.transport_stats = lambda: {"replies_dropped": self.outbox.dropped_replies,
+                                       "replies_queued_bytes": self.outbox.queued_bytes}
         self._stopping: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stop_reason = ""
@@ -132,6 +154,7 @@ class Server:
                 loop.add_signal_handler(sig, self.stop, reason)
             loop.add_signal_handler(signal.SIGHUP, self._reload)
         timers = [asyncio.create_task(self._reaper()), asyncio.create_task(self._eviction_log()),
+                  asyncio.create_task(self.outbox.run()),
                   asyncio.create_task(self._ready_then_watchdog(on_ready))]
         try:
             await self._stopping.wait()
@@ -154,12 +177,15 @@ class Server:
     def _on_readable(self) -> None:
         sock = self.sock
         try:
+            deadline = time.monotonic() + MAX_BATCH_S
             for _ in range(MAX_BATCH):
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
                 except zmq.Again:
                     break
                 self._handle(frames)
+                if time.monotonic() > deadline:
+                    break
             # ZeroMQ's fd is edge-triggered and a send can swallow the edge:
             # ask the socket itself whether more is queued.
             if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -177,21 +203,17 @@ class Server:
             reply = protocol.encode_error(None, ErrorCode.PROTOCOL_ERROR,
                                           f"expected one frame per request, got {len(body)}")
         else:
-            reply = dispatch(self.ctx, body[0], identity)
-        if isinstance(reply, Future):
-            loop = asyncio.get_running_loop()
-            reply.add_done_callback(lambda f: loop.call_soon_threadsafe(
-                self._send, identity, envelope, f.result()))
-            return
-        self._send(identity, envelope, reply)
+            result = dispatch(self.ctx, body[0], identity)
+            if isinstance(result, tuple):
+                rid, deferred = result
+                deferred.future.add_done_callback(
+                    lambda f: self._send([identity, *envelope, finish(self.ctx, rid, deferred, f)]))
+                return
+            reply = result
+        self._send([identity, *envelope, reply])
 
-    def _send(self, identity: bytes, envelope: list[bytes], reply: bytes) -> None:
-        try:
-            self.sock.send_multipart([identity, *envelope, reply], zmq.NOBLOCK)
-        except zmq.Again:
-            log.debug("dropped a reply: the peer is not reading")
-        except zmq.ZMQError as exc:
-            log.debug("dropped a reply: %s", exc)
+    def _send(self, frames: list[bytes]) -> None:
+        self.outbox.send(frames)
 
     def _drain(self) -> None:
         """Answer what is already queued before closing (SIGTERM drains)."""
@@ -210,7 +232,8 @@ class Server:
             req = protocol.decode_request(frames[-1])
             if req.op in (Op.BYE, Op.COMMIT, Op.ABORT, Op.UNPIN, Op.PING):
                 done = dispatch(self.ctx, frames[-1], frames[0])  # let in-flight work finish
-                reply = done if isinstance(done, bytes) else reply
+                if isinstance(done, bytes):
+                    reply = done
         except WireError:
             pass
         try:

@@ -86,7 +86,7 @@ def create_file(path: str, size_bytes: int, mode: int = REGION_FILE_MODE) -> int
     """
     directory = os.path.dirname(path) or "."
     file_bytes = file_size_for(directory, size_bytes)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         os.fchmod(fd, mode)  # the umask must not narrow what clients may open
         os.ftruncate(fd, file_bytes)
@@ -126,19 +126,27 @@ def _unlink_quietly(path: str) -> None:
 
 
 def map_file(path: str, size_bytes: int, *, writable: bool = True) -> mmap.mmap:
-    """Map the first ``size_bytes`` of ``path`` ``MAP_SHARED``; checks the file is large enough."""
+    """Map the first ``size_bytes`` of ``path`` ``MAP_SHARED``; checks the file is large enough.
+
+    ``O_NOFOLLOW``: a region or table is never a symbolic link.
+    """
     flags = os.O_RDWR if writable else os.O_RDONLY
-    fd = os.open(path, flags | os.O_CLOEXEC)
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidArgument(f"{path} is not a regular file")
-        if st.st_size < size_bytes:
-            raise InvalidArgument(f"{path} holds {st.st_size} B, fewer than the {size_bytes} B expected")
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, prot)
+        return map_fd(fd, path, size_bytes, writable=writable)
     finally:
         os.close(fd)
+
+
+def map_fd(fd: int, path: str, size_bytes: int, *, writable: bool = True) -> mmap.mmap:
+    """Map the first ``size_bytes`` of an open file ``MAP_SHARED`` (the fd may be closed after)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgument(f"{path} is not a regular file")
+    if st.st_size < size_bytes:
+        raise InvalidArgument(f"{path} holds {st.st_size} B, fewer than the {size_bytes} B expected")
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    return mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, prot)
 
 
 class RegionMap:

@@ -27,7 +27,7 @@ import numpy as np
 
 from hisparse.errors import InvalidArgument
 from hisparse.layout import KVLayout
-from hisparse.shm.region import RegionGeometry, create_file, map_file
+from hisparse.shm.region import RegionGeometry, create_file, map_fd, map_file
 
 MAGIC = b"HSPMETA1"
 FORMAT_VERSION = 1
@@ -96,24 +96,40 @@ class MetaTable:
         return cls(path, header, mm)
 
     @classmethod
-    def open(cls, path: str) -> MetaTable:
-        """Map an existing table; raises ``InvalidArgument`` when it is not one of ours."""
-        size = os.path.getsize(path)
+    def open(cls, path: str, check=None) -> MetaTable:
+        """Map an existing table; raises ``InvalidArgument`` when it is not one of ours.
+
+        Opened ``O_NOFOLLOW``; ``check(fd, path)`` (the daemon's ownership
+        check) runs on the open file before a byte of it is read.
+        """
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if check is not None:
+                check(fd, path)
+            return cls._open_fd(fd, path)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def _open_fd(cls, fd: int, path: str) -> MetaTable:
+        size = os.fstat(fd).st_size
         if size < HEADER_BYTES:
             raise InvalidArgument(f"{path}: too small for a metadata table")
-        with open(path, "rb") as f:
-            head = f.read(HEADER_BYTES)
+        head = os.pread(fd, HEADER_BYTES, 0)
         (magic, fmt, rec, num_pages, layers, bt, rb, region_id, name_len,
          region_len) = _HEADER.unpack_from(head)
         if magic != MAGIC or fmt != FORMAT_VERSION or rec != RECORD_BYTES:
             raise InvalidArgument(f"{path}: not a hisparse metadata table of format {FORMAT_VERSION}")
         if size < table_size(num_pages):
             raise InvalidArgument(f"{path}: truncated ({size} B for {num_pages} pages)")
-        namespace = head[_NAME_OFFSET:_NAME_OFFSET + name_len].decode()
-        region = head[_REGION_NAME_OFFSET:_REGION_NAME_OFFSET + region_len].decode()
-        geometry = RegionGeometry(KVLayout(layers, bt, rb), num_pages)
+        try:
+            namespace = head[_NAME_OFFSET:_NAME_OFFSET + name_len].decode()
+            region = head[_REGION_NAME_OFFSET:_REGION_NAME_OFFSET + region_len].decode()
+            geometry = RegionGeometry(KVLayout(layers, bt, rb), num_pages)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise InvalidArgument(f"{path}: a damaged header: {exc}") from None
         header = TableHeader(namespace, geometry, region_id, region)
-        return cls(path, header, map_file(path, table_size(num_pages)))
+        return cls(path, header, map_fd(fd, path, table_size(num_pages)))
 
     # -- record writes (the hot path: plain slice stores into the mapping) --
 

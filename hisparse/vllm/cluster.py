@@ -19,8 +19,9 @@ cluster, nor for a request about it, so a local miss goes like this:
   sees them and the next lookup is a plain ``HIT``; ``promoted`` then names
   the cluster as the load source (``CacheHitSource.P2P``).
 
-A daemon without a cluster tier makes all of this a no-op after one
-``stats`` request.
+The scheduler's thread makes no request at all: whether the daemon has a
+cluster tier is asked once by the sender thread (lookups miss until then),
+and a daemon without one makes all of this a no-op.
 """
 
 from __future__ import annotations
@@ -41,21 +42,24 @@ log = logging.getLogger(__name__)
 PROMOTE_WAIT_S = 2.0  # how long a queued key may answer RETRY before it counts as a MISS
 ABSENT_S = 10.0  # a key the cluster did not deliver is not asked for again this long
 MAX_TRACKED_KEYS = 1 << 16
+PROBE = "probe"  # the sender's item: ask the daemon whether it has a cluster tier
 
 
 class ClusterPromotions:
     def __init__(self, client: Any, clock: Callable[[], float]) -> None:
         self._client = client
         self._clock = clock
-        self._enabled: bool | None = None  # learned from the daemon's stats on first use
+        self._enabled: bool | None = None  # learned from the daemon's stats, off this thread
         self._lock = threading.Lock()  # the scheduler thread and the sender share the maps
         self._queued: list[bytes] = []
         self._pending: dict[bytes, float] = {}  # key -> when its promotion counts as failed
         self._absent: dict[bytes, float] = {}  # key -> until when it is not asked for
         self.promoted: set[bytes] = set()  # keys that arrived from the cluster (load source)
         self.requested_keys = 0
-        self._outbox: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[list[bytes] | str | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
+        self._probing = False
+        self._post(PROBE)  # learn now whether the daemon has a cluster tier, off this thread
 
     def miss(self, key: bytes) -> LookupResult:
         """What a local miss answers (see the module docstring)."""
@@ -70,7 +74,9 @@ class ClusterPromotions:
                 return LookupResult.MISS
             if self._absent.get(key, 0.0) > now or len(self._pending) >= MAX_TRACKED_KEYS:
                 return LookupResult.MISS
-        if not self.enabled:
+        if not self._enabled:
+            if self._enabled is None:  # not known yet: the sender asks, this lookup misses
+                self._post(PROBE)
             return LookupResult.MISS
         with self._lock:
             self._pending[key] = now + PROMOTE_WAIT_S
@@ -92,13 +98,8 @@ class ClusterPromotions:
             if len(self._absent) > MAX_TRACKED_KEYS:
                 now = self._clock()
                 self._absent = {k: t for k, t in self._absent.items() if t > now}
-        if not keys:
-            return
-        if self._sender is None:
-            self._sender = threading.Thread(target=self._send_loop, name="hisparse-cluster-prefetch",
-                                            daemon=True)
-            self._sender.start()
-        self._outbox.put(keys)
+        if keys:
+            self._post(keys)
 
     def waiting(self) -> bool:
         """True while a promotion may still land (the engine keeps stepping to see it)."""
@@ -110,24 +111,39 @@ class ClusterPromotions:
         if self._sender is not None:
             self._outbox.put(None)
 
-    @property
-    def enabled(self) -> bool:
-        if self._enabled is None:
-            try:
-                stats = self._client.stats()
-                self._enabled = stats["daemon"].get("cluster", {}).get("backend", "none") != "none"
-            except (HisparseError, KeyError) as exc:
-                log.debug("cannot tell whether hisparsed has a cluster tier: %s", exc)
-                return False
-        return self._enabled
+    def _post(self, item: list[bytes] | str) -> None:
+        with self._lock:
+            if item is PROBE:
+                if self._probing:
+                    return
+                self._probing = True
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                                name="hisparse-cluster-prefetch")
+                self._sender.start()
+        self._outbox.put(item)
 
     def _send_loop(self) -> None:
         while True:
-            keys = self._outbox.get()
-            if keys is None:
+            item = self._outbox.get()
+            if item is None:
                 return
-            for start in range(0, len(keys), MAX_KEYS_PER_REQUEST):
-                self._send(keys[start:start + MAX_KEYS_PER_REQUEST])
+            if item is PROBE:
+                self._probe()
+                continue
+            for start in range(0, len(item), MAX_KEYS_PER_REQUEST):
+                self._send(item[start:start + MAX_KEYS_PER_REQUEST])
+
+    def _probe(self) -> None:
+        """Does the daemon have a cluster tier? Asked once, off the scheduler's thread."""
+        try:
+            stats = self._client.stats()
+            self._enabled = stats["daemon"].get("cluster", {}).get("backend", "none") != "none"
+        except (HisparseError, KeyError) as exc:
+            log.debug("cannot tell whether hisparsed has a cluster tier yet: %s", exc)
+        finally:
+            with self._lock:
+                self._probing = False
 
     def _send(self, keys: list[bytes]) -> None:
         try:

@@ -14,11 +14,16 @@ Keys (all optional):
 ``namespace``          use this namespace instead of the derived one
 ``capacity``           region size if this engine creates the namespace
                        (``"64GiB"`` or bytes); else the daemon's config decides
-``timeout_s``          deadline of one daemon request (default 1.0)
+``timeout_s``          deadline of one request of the adapter's background thread
+                       and the workers (default 1.0)
+``deadline_s``         deadline of the one request the scheduler's thread makes
+                       itself (``reserve`` in ``prepare_store``; default 0.02)
+``hold_s``             how long a key looked up but not loaded stays pinned
+                       (default 5.0)
 ``hash_algo``          the engine's ``--prefix-caching-hash-algo`` (default
                        ``sha256``, vLLM's default); part of the namespace
-``mirror_refresh_s``   how stale the scheduler's key mirror may get before a
-                       lookup refreshes it (default 0.005)
+``mirror_refresh_s``   how often the background thread refreshes the key mirror
+                       and pins the keys lookups asked for (default 0.005)
 =====================  =========================================================
 
 The hash check lives here too: prefix sharing across processes needs block
@@ -46,7 +51,9 @@ HASH_DIGEST_BYTES: dict[str, int] = {"sha256": 32, "sha256_cbor": 32, "xxhash": 
 SEEDED_HASHES = frozenset({"xxhash", "xxhash_cbor"})
 GROUP_INDEX_BYTES = 4
 
-DEFAULT_TIMEOUT_S = 1.0  # the scheduler waits this long at most per request
+DEFAULT_TIMEOUT_S = 1.0  # background thread and workers: per request
+DEFAULT_DEADLINE_S = 0.02  # the scheduler's thread: well under a decode step
+DEFAULT_HOLD_S = 5.0
 DEFAULT_MIRROR_REFRESH_S = 0.005
 
 
@@ -62,6 +69,8 @@ class AdapterConfig:
     namespace: str | None = None  # None: derived from the OffloadingConfig
     capacity_bytes: int | None = None  # None: the daemon's config decides
     timeout_s: float = DEFAULT_TIMEOUT_S
+    deadline_s: float = DEFAULT_DEADLINE_S
+    hold_s: float = DEFAULT_HOLD_S
     hash_algo: str = "sha256"
     mirror_refresh_s: float = DEFAULT_MIRROR_REFRESH_S
 
@@ -84,6 +93,8 @@ class AdapterConfig:
             namespace=namespace,
             capacity_bytes=capacity_bytes,
             timeout_s=_positive_float(extra, "timeout_s", DEFAULT_TIMEOUT_S),
+            deadline_s=_positive_float(extra, "deadline_s", DEFAULT_DEADLINE_S),
+            hold_s=_positive_float(extra, "hold_s", DEFAULT_HOLD_S),
             hash_algo=hash_algo,
             mirror_refresh_s=_positive_float(extra, "mirror_refresh_s", DEFAULT_MIRROR_REFRESH_S,
                                              allow_zero=True),
@@ -112,23 +123,6 @@ def _positive_float(extra: Mapping[str, Any], name: str, default: float, *,
     if value < 0 or (value == 0 and not allow_zero):
         raise InvalidArgument(f"kv_connector_extra_config.{name} must be positive, not {value!r}")
     return float(value)
-
-
-def engine_hash_algo() -> str | None:
-    """The running engine's ``prefix_caching_hash_algo``, when vLLM's current config is visible.
-
-    vLLM sets the current config around model and worker set-up, not around
-    the scheduler's construction, so this is None there (and None in a
-    vLLM installed without its dependencies).
-    """
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-    except ImportError:
-        return None
-    vllm_config = get_current_vllm_config_or_none()
-    if vllm_config is None:
-        return None
-    return str(vllm_config.cache_config.prefix_caching_hash_algo)
 
 
 def check_hash_algorithm(config: AdapterConfig, environ: Mapping[str, str] | None = None,

@@ -1,32 +1,37 @@
 """``HiSparseOffloadingManager``: vLLM's scheduler-side offloading manager, backed by hisparsed.
 
+The scheduler's thread never waits long for the daemon: everything but
+``reserve`` runs on the manager's background thread (``syncer.Syncer``),
+and ``reserve`` has a deadline well under a decode step (``deadline_s``).
+State the two threads share is guarded by ``lock``, which vLLM holds
+around every call and across a step (lookup ... prepare_load).
+
 Per primitive (vLLM's ``OffloadingManager`` contract, daemon ops in brackets):
 
-- ``lookup``: the local mirror, no round trip. HIT when committed; HIT_PENDING
-  when this engine's own store of the key is in flight; RETRY while another
-  engine is writing it (seen as SLOT_BUSY by our reserve, for a bounded
-  time); MISS otherwise, and for everything while the daemon is unreachable.
-- ``prepare_load`` [pin]: pins every key; a key evicted since its lookup gets
-  page ``-1`` and the worker fails the whole job, so vLLM recomputes.
-- ``complete_load`` [unpin]: releases that load's pins.
-- ``prepare_store`` [reserve]: pages for the keys nobody committed; ``None``
-  when nothing can be stored (region full of pinned or writing pages);
-  evicted keys are the ones the daemon's reserve reply names.
-- ``complete_store`` [commit | abort]: publishes, or drops with ``success=False``.
-- ``on_request_finished``: forgets the request; a load still in flight keeps
-  its pins until its ``complete_load`` (its worker may still be copying).
+- ``lookup``: local state only. HIT when this engine holds a pin on the key
+  (a HIT is a promise: ``holds``); RETRY when the key is committed but not
+  pinned yet (the background thread pins every key asked for in one batch
+  [pin], the next step's lookup says HIT); HIT_PENDING while this engine's
+  own store of the key is in flight; RETRY while another engine writes it;
+  MISS otherwise, and for everything while the daemon does not answer.
+- ``prepare_load``: the pages of the held keys; no round trip.
+- ``complete_load`` / ``on_request_finished``: give holds back [unpin,
+  in the background]; an unused hold also ages out after ``hold_s``.
+- ``prepare_store`` [reserve, on this thread, ``deadline_s``]: pages for the
+  keys nobody committed; ``None`` when nothing can be stored or the daemon
+  does not answer in time. Evicted keys (named by the reply) leave the
+  mirror at once.
+- ``complete_store`` [commit | abort, in the background]: the keys answer
+  HIT_PENDING until the commit is done.
 - ``reset_cache`` [clear]: clears the namespace (needs the daemon's admin
   token); holds of the flushed jobs go at ``on_reset_flushed``.
 - ``take_events`` / ``get_stats``: KV events and counters, from local state.
-
-A release that fails because the daemon is unreachable is retried after the
-next successful refresh; one whose session is gone needs nothing (the
-daemon released it with the session).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -44,23 +49,33 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 
-from hisparse.errors import DaemonUnavailable, HisparseError, InvalidArgument, LeaseExpired
+from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired
 from hisparse.protocol import SLOT_BUSY
 from hisparse.vllm.cluster import ClusterPromotions
 from hisparse.vllm.config import AdapterConfig, check_key
+from hisparse.vllm.holds import Holds
 from hisparse.vllm.mirror import Change, KeyMirror
 from hisparse.vllm.rpc import NamespaceOps, Session
+from hisparse.vllm.syncer import Job, Syncer
 
 log = logging.getLogger(__name__)
 
 BUSY_RETRY_S = 0.5  # how long a key another session is writing answers RETRY
-DOWN_BACKOFF_S = 1.0  # after a failed request, skip the daemon this long
 
 
 class HiSparseLoadStoreSpec(BlockIDsLoadStoreSpec):
-    """Region page ids, one per key in the order the manager got them; ``-1``: not pinned."""
+    """Region page ids, one per key in the order the manager got them; ``-1``: not held.
+
+    ``fence_path``: the fence of the session that reserved or pinned the pages;
+    the worker copies only while it holds it (``hisparse.client.fence.hold``).
+    """
+
+    def __init__(self, block_ids: list[int], fence_path: str | None = None) -> None:
+        super().__init__(block_ids)
+        self.fence_path = fence_path
 
     @property
     def page_ids(self) -> Any:
@@ -81,13 +96,14 @@ class HiSparseMetrics:
 class _Reservation:
     page: int
     session: Session
+    committing: bool = False
+    fenced: bool = True  # holds a reference on the session's fence until the worker is done
 
 
 @dataclass
-class _PinnedLoad:
-    session: Session
-    keys: list[bytes]  # the keys pinned, each once
-    pages: list[int]  # their pages: unpin goes by page (a key re-stored after clear moves)
+class _Load:
+    keys: list[bytes]  # bound to holds, each once
+    fence: Any  # hisparse.client.fence.Fence, acquired for this job; None if nothing is loaded
 
 
 class HiSparseOffloadingManager(OffloadingManager):
@@ -100,34 +116,46 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._clock = clock
         self._info: ConfigInfoMapping = info or {}
         self.num_pages = ops.client.num_pages
+        self._lock = threading.Lock()
         self._mirror = KeyMirror(ops, max_age_s=config.mirror_refresh_s, clock=clock)
+        self._holds = Holds(clock)
         self._writing: dict[bytes, _Reservation] = {}
         self._busy_until: dict[bytes, float] = {}
-        self._loads: dict[str, list[_PinnedLoad]] = {}
-        self._retries: list[tuple[str, Session, list[bytes]]] = []
-        self._reset_holds: list[tuple[str, Session, list[bytes]]] = []
+        self._loads: dict[str, list[_Load]] = {}  # req_id -> loads in flight
+        self._reset_jobs: list[Job] = []
+        self._reset_fences: list[Any] = []  # released once the flushed jobs are done
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._announced: set[bytes] = set()
         self._counts = dict.fromkeys(HiSparseMetrics.COUNTERS, 0)
-        self._down_until = float("-inf")
         self._key_checked = False
         self._cluster = ClusterPromotions(ops.client, clock)
-        self._refresh()  # the first sync also tells the daemon to start recording events
+        self._syncer = Syncer(ops, self._mirror, self._holds, self._lock,
+                              interval_s=config.mirror_refresh_s, hold_s=config.hold_s,
+                              on_changes=self._on_changes, on_published=self._on_published,
+                              on_lost=self._on_lost, clock=clock)
+        # The first round at start: a full scan, and the daemon starts recording events for us.
+        self._syncer.round()
+        self._syncer.start()
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
 
     # -- lookups --
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if not self._key_checked:
             self._check_key(key)
-        if self._mirror.due():
-            self._refresh()
-        if self._clock() < self._down_until:
+        if not self._syncer.up:
             self._counts["LOOKUP_MISSES"] += 1
             return LookupResult.MISS
-        if key in self._mirror.pages:
+        if self._holds.touch(key, req_context.req_id):
             self._counts["LOOKUP_HITS"] += 1
             self._cluster.landed(key)
             return LookupResult.HIT
+        if key in self._mirror.pages:
+            self._holds.want(key, req_context.req_id)  # pinned by the next background round
+            return LookupResult.RETRY
         if key in self._writing:
             return LookupResult.HIT_PENDING
         until = self._busy_until.get(key)
@@ -140,6 +168,21 @@ class HiSparseOffloadingManager(OffloadingManager):
             self._counts["LOOKUP_MISSES"] += 1
         return result
 
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        if key in self._cluster.promoted:
+            return CacheHitSource.P2P  # promoted from the cluster tier (another node's pages)
+        return CacheHitSource.HOST  # the node's host memory, shared by its engines
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._holds.wanted:
+            self._syncer.wake()  # pin them now, not at the next tick
+        self._cluster.flush()  # hands this step's cluster promotions to their sender thread
+
+    def has_pending_work(self) -> bool:
+        return self._cluster.waiting()  # the engine keeps stepping while a promotion may land
+
     # -- loads --
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -147,28 +190,38 @@ class HiSparseOffloadingManager(OffloadingManager):
         distinct = list(dict.fromkeys(keys))
         if distinct and not self._key_checked:
             self._check_key(distinct[0])
-        pages: list[int] = [-1] * len(distinct)
-        if distinct and self._clock() >= self._down_until:
+        req_id = req_context.req_id
+        current = self._ops.session()
+        fence = current.fence
+        page_of: dict[bytes, int] = {}
+        bound: list[bytes] = []
+        for key in distinct:
+            hold = self._holds.get(key)
+            # A pin of a session that is not current, or whose fence says its holds
+            # are lost, protects nothing: that key loads as -1 (and is recomputed).
+            if hold is None or hold.session is not current or not fence.live:
+                page_of[key] = -1
+                continue
+            page_of[key] = self._holds.bind_load(key, req_id)  # type: ignore[assignment]
+            bound.append(key)
+        if bound:
             try:
-                pages, session = self._ops.pin_each(distinct)
-            except HisparseError as exc:
-                self._failed("pin", exc)
-            else:
-                held = [(k, p) for k, p in zip(distinct, pages) if p >= 0]
-                if held:
-                    self._loads.setdefault(req_context.req_id, []).append(
-                        _PinnedLoad(session, [k for k, _ in held], [p for _, p in held]))
-        page_of = dict(zip(distinct, pages))
+                fence.acquire()  # the worker's job touches the pages until complete_load
+            except LeaseExpired:
+                fence = None
+            self._loads.setdefault(req_id, []).append(_Load(bound, fence))
+            if fence is None:
+                page_of.update(dict.fromkeys(bound, -1))
+        else:
+            fence = None
         missing = [k for k, p in page_of.items() if p < 0]
         if missing:
-            # Evicted since the lookup (or the daemon is away): the worker fails this
-            # job and vLLM recomputes. The mirror learns now instead of at the next event.
+            # Only when vLLM loads what no lookup answered HIT for (or the hold was
+            # lost with a daemon restart): the worker fails the job and vLLM recomputes.
             self._counts["PIN_FAILURES"] += len(missing)
-            for key in missing:
-                self._mirror.pages.pop(key, None)
-            log.debug("request %s: %d of %d keys to load are gone", req_context.req_id,
-                      len(missing), len(distinct))
-        return HiSparseLoadStoreSpec([page_of[k] for k in keys])
+            log.warning("request %s: %d of %d keys to load are not held", req_id, len(missing),
+                        len(distinct))
+        return HiSparseLoadStoreSpec([page_of[k] for k in keys], fence.path if fence is not None else None)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         loads = self._loads.get(req_context.req_id)
@@ -179,9 +232,13 @@ class HiSparseOffloadingManager(OffloadingManager):
         load = loads.pop(index)
         if not loads:
             del self._loads[req_context.req_id]
+        if load.fence is not None:
+            load.fence.release()  # the worker is done with the pages
         # The daemon ranks pages by their last unpin: the chain's tail first, so
         # its head, which every longer prefix needs, is evicted last.
-        self._release("unpin", load.session, load.pages[::-1])
+        releases = [r for r in (self._holds.unbind_load(k, req_context.req_id) for k in load.keys[::-1])
+                    if r is not None]
+        self._syncer.release(releases)
 
     # -- stores --
 
@@ -192,15 +249,27 @@ class HiSparseOffloadingManager(OffloadingManager):
             self._check_key(offer[0])
         if not offer:
             return PrepareStoreOutput(keys_to_store=[], store_spec=HiSparseLoadStoreSpec([]), evicted_keys=[])
-        if self._clock() < self._down_until:
+        if not self._syncer.up:
             self._counts["ALLOCATION_FAILURES"] += 1
             return None
         try:
+            session = self._ops.session()
             # Keys already committed go along: the daemon touches them, so making
             # room for the new keys never evicts the older part of this very chain.
-            slots, evicted_raw, session = self._ops.reserve(offer)
+            slots, evicted_raw, session = self._ops.reserve(offer, session=session,
+                                                            timeout_s=self._config.deadline_s)
+        except LeaseExpired as exc:
+            self._syncer.unreachable("reserve", exc)  # the background thread re-attaches
+            self._counts["ALLOCATION_FAILURES"] += 1
+            return None
+        except DaemonUnavailable as exc:
+            # The daemon may still act on it: give back whatever it reserves, later.
+            self._syncer.submit(Job("abort_missing", session, offer, []))
+            self._syncer.unreachable("reserve", exc)
+            self._counts["ALLOCATION_FAILURES"] += 1
+            return None
         except HisparseError as exc:
-            self._failed("reserve", exc)
+            log.error("hisparsed reserve failed: %s", exc)
             self._counts["ALLOCATION_FAILURES"] += 1
             return None
         to_store: list[OffloadKey] = []
@@ -210,61 +279,88 @@ class HiSparseOffloadingManager(OffloadingManager):
             if slot >= 0:
                 to_store.append(key)
                 pages.append(slot)
-                self._writing[key] = _Reservation(slot, session)
             elif slot == SLOT_BUSY:
                 self._busy_until[key] = now + BUSY_RETRY_S
+        if to_store:
+            acquired = 0
+            try:
+                for _ in to_store:  # one reference per page: released as each one completes
+                    session.fence.acquire()
+                    acquired += 1
+            except LeaseExpired:  # the session was replaced under us: these pages are not ours
+                for _ in range(acquired):
+                    session.fence.release()
+                self._syncer.submit(Job("abort", session, to_store, []))
+                self._counts["ALLOCATION_FAILURES"] += 1
+                return None
+            for key, page in zip(to_store, pages):
+                self._writing[key] = _Reservation(page, session)
+        evicted = [OffloadKey(k) for k in evicted_raw]
+        self._evicted_now(evicted)
         if not to_store and len(slots) < len(offer):
             self._counts["ALLOCATION_FAILURES"] += 1
             return None
-        # The reply names what the daemon evicted for us: no events request here
-        # (the mirror learns the same evictions from its stream).
-        evicted = [OffloadKey(k) for k in evicted_raw]
+        return PrepareStoreOutput(keys_to_store=to_store,
+                                  store_spec=HiSparseLoadStoreSpec(pages, session.fence_path),
+                                  evicted_keys=evicted)
+
+    def _evicted_now(self, evicted: list[OffloadKey]) -> None:
+        """Our reserve evicted these: gone from lookups and announced removed, at once."""
         self._counts["EVICTED_KEYS"] += len(evicted)
+        for key in evicted:
+            self._mirror.note_evicted(key)
         gone = [k for k in evicted if k in self._announced]
-        if gone:  # announce removals now, as vLLM's own tiers do; the refresh skips them
+        if gone:  # the refresh that brings the same evictions skips them
             self._announced.difference_update(gone)
             if self._events is not None:
                 self._events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True))
-        return PrepareStoreOutput(keys_to_store=to_store, store_spec=HiSparseLoadStoreSpec(pages),
-                                  evicted_keys=evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         for session, ks in self._writing_by_session(dict.fromkeys(keys)):
+            self._unfence(ks)  # the worker is done with these pages
             if success:
-                self._commit(session, ks, req_context)
+                for key in ks:
+                    self._writing[key].committing = True
+                self._syncer.submit(Job("commit", session, ks, [], req_context))
             else:
                 for key in ks:
                     del self._writing[key]
-                self._release("abort", session, ks)
+                self._syncer.submit(Job("abort", session, ks, []))
                 if self._events is not None:
                     self._events.append(OffloadingEvent(keys=list(ks), medium=self.medium, removed=True,
                                                         metadata_only=True))
 
-    def _commit(self, session: Session, keys: list[bytes], req_context: ReqContext) -> None:
-        try:
-            self._ops.commit(session, keys)
-        except (LeaseExpired, InvalidArgument) as exc:
-            # The session died with its reservations: nothing to publish, nothing to free.
-            log.warning("commit of %d pages lost with its session (%s)", len(keys), exc)
-            for key in keys:
-                self._writing.pop(key, None)
-            return
-        except HisparseError as exc:
-            self._failed("commit", exc)
-            self._retries.append(("commit", session, keys))  # the bytes are written: publish later
-            return
-        self._published(keys, req_context)
+    # -- called by the syncer, under the lock --
 
-    def _published(self, keys: list[bytes], req_context: ReqContext | None) -> None:
-        for key in keys:
+    def _on_published(self, keys: list[bytes], job: Job) -> None:
+        for key in job.keys:
             held = self._writing.pop(key, None)
-            if held is not None:
+            if held is not None and key in keys:
                 self._mirror.note_commit(key, held.page)
-        if self._events is not None:
+        if keys and self._events is not None:
             self._announced.update(keys)
             self._events.append(OffloadingEvent(keys=list(keys), medium=self.medium, removed=False,
-                                                removal_expected=True, req_context=req_context))
+                                                removal_expected=True, req_context=job.context))
+
+    def _on_changes(self, changes: list[Change]) -> None:
+        removed = []
+        for change in changes:
+            if not change.evicted:
+                self._busy_until.pop(change.key, None)
+            elif change.key in self._announced and change.key not in self._mirror.pages:
+                self._announced.discard(change.key)
+                removed.append(change.key)
+        if removed and self._events is not None:
+            self._events.append(OffloadingEvent(keys=removed, medium=self.medium, removed=True))
+
+    def _on_lost(self, keys: list[bytes]) -> None:
+        # A restarted daemon (or an expired lease) dropped these pins: the next
+        # lookups pin the keys again. Reservations of the lost session stay
+        # until their complete_store (the worker may still hold the fence);
+        # their commit is then refused and dropped.
+        if keys:
+            log.info("%d pinned keys lost with their hisparsed session", len(keys))
 
     # -- requests and resets --
 
@@ -272,17 +368,15 @@ class HiSparseOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        # Every hold left is a transfer vLLM has submitted and will complete
-        # (complete_load/complete_store release it); releasing it here would
-        # let the daemon reuse a page a worker is still copying. Entries go with
-        # their last hold, so a finished request leaves nothing behind.
-        return
+        # Holds of loads vLLM has submitted stay until their complete_load (the
+        # worker may still be copying); the rest go now.
+        self._syncer.release(self._holds.finish(req_context.req_id))
 
     def reset_cache(self) -> None:
         try:
             cleared = self._ops.clear()
         except HisparseError as exc:
-            self._failed("clear", exc)
+            log.warning("reset_cache: hisparsed clear failed (%s)", exc)
             cleared = None
         if cleared is None:
             log.warning("reset_cache: namespace %r was not cleared (hisparsed's admin token is not "
@@ -290,11 +384,21 @@ class HiSparseOffloadingManager(OffloadingManager):
                         "to drop its pages", self._ops.client.namespace, self._ops.client.namespace)
         # vLLM never completes the jobs in flight now; their copies may still run,
         # so their holds go at on_reset_flushed.
-        for loads in self._loads.values():
-            self._reset_holds.extend(("unpin", load.session, load.pages) for load in loads)
-        self._reset_holds.extend(("abort", s, ks) for s, ks in self._writing_by_session(self._writing))
+        releases = self._holds.clear()
+        by_session: dict[int, Job] = {}
+        for r in releases:
+            job = by_session.setdefault(id(r.session), Job("unpin", r.session, [], []))
+            job.keys.append(r.key)
+            job.pages.append(r.page)
+        self._reset_jobs.extend(by_session.values())
+        self._reset_jobs.extend(Job("abort", s, ks, []) for s, ks in self._writing_by_session(
+            [k for k, r in self._writing.items() if not r.committing]))
+        self._reset_fences.extend(load.fence for loads in self._loads.values() for load in loads
+                                  if load.fence is not None)
+        self._reset_fences.extend(r.session.fence for r in self._writing.values()
+                                  if r.fenced and not r.committing)
         self._loads.clear()
-        self._writing.clear()
+        self._writing = {k: r for k, r in self._writing.items() if r.committing}
         self._busy_until.clear()
         self._announced.clear()
         if self._events is not None:
@@ -302,9 +406,12 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._mirror.clear()
 
     def on_reset_flushed(self) -> None:
-        holds, self._reset_holds = self._reset_holds, []
-        for op, session, keys in holds:
-            self._release(op, session, keys)
+        fences, self._reset_fences = self._reset_fences, []
+        for fence in fences:
+            fence.release()
+        jobs, self._reset_jobs = self._reset_jobs, []
+        for job in jobs:
+            self._syncer.submit(job)
 
     # -- events, stats, shutdown --
 
@@ -333,23 +440,12 @@ class HiSparseOffloadingManager(OffloadingManager):
         snap: dict[str, Any] = {name.lower(): value for name, value in self._counts.items()}
         snap.update(usage_perc=len(self._mirror) / self.num_pages, committed_keys=len(self._mirror),
                     writing_keys=len(self._writing), mirror_resyncs=self._mirror.resyncs,
+                    held_keys=len(self._holds), daemon_up=self._syncer.up,
+                    pending_jobs=self._syncer.pending_jobs,
                     loads_in_flight=sum(len(v) for v in self._loads.values()))
         if reset:
             self._counts = dict.fromkeys(HiSparseMetrics.COUNTERS, 0)
         return snap
-
-    # -- the cluster tier (hisparse.vllm.cluster) --
-
-    def on_schedule_end(self, context: Any) -> None:
-        self._cluster.flush()
-
-    def has_pending_work(self) -> bool:
-        return self._cluster.waiting()
-
-    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
-        return CacheHitSource.P2P if key in self._cluster.promoted else CacheHitSource.HOST
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
         return [self._info]
@@ -357,68 +453,27 @@ class HiSparseOffloadingManager(OffloadingManager):
     def shutdown(self) -> None:
         # bye releases every pin and reservation this session still holds.
         self._cluster.close()
+        self._syncer.stop(self._config.timeout_s * 2)
         self._ops.client.close()
 
     # -- internals --
 
     def _writing_by_session(self, keys: Iterable[bytes]) -> list[tuple[Session, list[bytes]]]:
-        """Our reservations among ``keys``, by the session that holds them."""
+        """Our reservations among ``keys`` not yet being committed, by the session that holds them."""
         groups: dict[int, tuple[Session, list[bytes]]] = {}
         for key in keys:
             held = self._writing.get(key)
-            if held is not None:
+            if held is not None and not held.committing:
                 groups.setdefault(id(held.session), (held.session, []))[1].append(key)
         return list(groups.values())
+
+    def _unfence(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            held = self._writing.get(key)
+            if held is not None and held.fenced:
+                held.fenced = False
+                held.session.fence.release()
 
     def _check_key(self, key: bytes) -> None:
         check_key(key, self._config)
         self._key_checked = True
-
-    def _refresh(self) -> list[Change]:
-        """Bring the mirror up to date, then retry releases that failed; returns the changes."""
-        if self._clock() < self._down_until:
-            return []
-        try:
-            changes = self._mirror.refresh()
-        except HisparseError as exc:
-            self._failed("events", exc)
-            return []
-        removed = []
-        for change in changes:
-            if not change.evicted:
-                self._busy_until.pop(change.key, None)
-            elif change.key in self._announced and change.key not in self._mirror.pages:
-                self._announced.discard(change.key)
-                removed.append(change.key)
-        if removed and self._events is not None:
-            self._events.append(OffloadingEvent(keys=removed, medium=self.medium, removed=True))
-        retries, self._retries = self._retries, []
-        for i, (op, session, keys) in enumerate(retries):
-            if self._clock() < self._down_until:  # failed again: the rest waits for the next refresh
-                self._retries.extend(retries[i:])
-                break
-            if op == "commit":
-                self._commit(session, keys, None)
-            else:
-                self._release(op, session, keys)
-        return changes
-
-    def _release(self, op: str, session: Session, keys: list[Any]) -> None:
-        """unpin (``keys`` are page ids) or abort (``keys`` are keys) on the holding session."""
-        try:
-            if op == "unpin":
-                self._ops.unpin(session, keys)
-            else:
-                self._ops.abort(session, keys)
-        except (LeaseExpired, InvalidArgument):
-            pass  # gone with the session: the daemon released it
-        except HisparseError as exc:
-            self._failed(op, exc)
-            self._retries.append((op, session, keys))
-
-    def _failed(self, what: str, exc: HisparseError) -> None:
-        if self._clock() >= self._down_until:
-            level = logging.WARNING if isinstance(exc, DaemonUnavailable) else logging.ERROR
-            log.log(level, "hisparsed %s failed (%s); offloading pauses for %.1f s", what, exc,
-                    DOWN_BACKOFF_S)
-        self._down_until = self._clock() + DOWN_BACKOFF_S

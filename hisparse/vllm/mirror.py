@@ -10,13 +10,13 @@ before, so nothing was recorded) the mirror pages through ``keys`` and then
 applies the events after the sequence number the first page reported, which
 replays whatever changed during the scan.
 
-A mirror can be behind by up to one refresh interval: a HIT may name a page
-evicted since, which ``prepare_load``'s pin detects (the load then fails and
-vLLM recomputes), and a MISS may hide a fresh commit, which only costs a
-recompute. Every change applied is returned as a ``Change``, so the manager
-can report evictions (its own, via the pages it just reserved) and emit KV
-events. Events carry pages so that a late eviction of a key's earlier page
-never removes the key's newer page.
+A mirror can be behind by up to one refresh interval, so it never answers
+HIT by itself: the manager pins a key before it says HIT
+(``hisparse.vllm.holds``), and a MISS that hides a fresh commit only costs
+a recompute. Our own evictions (named in reserve replies) are applied at
+once (``note_evicted``). Every change applied is returned as a ``Change``,
+so the manager can emit KV events. Events carry pages so that a late
+eviction of a key's earlier page never removes the key's newer page.
 """
 
 from __future__ import annotations
@@ -53,8 +53,24 @@ class Change:
         return self.kind == EVENT_EVICT
 
 
+@dataclass
+class Update:
+    """What one ``fetch`` read from the daemon, to ``apply`` under the manager's lock."""
+
+    generation: int
+    seq: int
+    events: list[Any]
+    snapshot: dict[bytes, int] | None = None  # a full scan (a resync); None: events only
+
+
 class KeyMirror:
-    """``key -> page`` of the namespace's committed keys, refreshed from the daemon's events."""
+    """``key -> page`` of the namespace's committed keys, refreshed from the daemon's events.
+
+    ``fetch`` talks to the daemon and changes nothing; ``apply`` changes the
+    mirror and talks to no one. The manager runs ``fetch`` on its background
+    thread, unlocked, and ``apply`` under its lock, so a lookup never waits
+    for the daemon. ``refresh`` is both, for a single thread.
+    """
 
     def __init__(self, source: KeySource, *, max_age_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -65,6 +81,7 @@ class KeyMirror:
         self.seq: int | None = None  # last event applied; None until the first sync
         self.refreshed_at = float("-inf")
         self.resyncs = 0
+        self._generation = 0  # bumped by clear(): an update fetched before it is dropped
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.pages
@@ -80,28 +97,26 @@ class KeyMirror:
         return self.seq is None or self._clock() - self.refreshed_at >= self.max_age_s
 
     def refresh(self) -> list[Change]:
-        """Apply every event since the last refresh (resyncing on a gap); returns the changes.
+        """``apply(fetch())``: every event since the last refresh (resyncing on a gap)."""
+        return self.apply(self.fetch())
 
-        Raises what the source raises (``HisparseError``); the mirror is then
-        unchanged and the next call tries again.
-        """
-        if self.seq is None:
-            return self.resync()
-        changes: list[Change] = []
+    def fetch(self) -> Update:
+        """Read the events after ``seq`` (or a full scan on a gap). Raises ``HisparseError``."""
+        generation, seq = self._generation, self.seq
+        if seq is None:
+            return self._scan(generation)
+        events: list[Any] = []
         while True:
-            reply = self._source.events(self.seq, PAGE_LIMIT)
+            reply = self._source.events(seq, PAGE_LIMIT)
             if reply["reset"]:
-                return changes + self.resync()
-            events = reply["events"]
-            changes.extend(self._apply(events))
-            self.seq = int(reply["seq"])
-            if len(events) < PAGE_LIMIT:
-                break
-        self.refreshed_at = self._clock()
-        return changes
+                return self._scan(generation)
+            page = reply["events"]
+            events.extend(page)
+            seq = int(reply["seq"])
+            if len(page) < PAGE_LIMIT:
+                return Update(generation, seq, events)
 
-    def resync(self) -> list[Change]:
-        """Rebuild from a full ``keys`` scan plus the events after it; returns the difference."""
+    def _scan(self, generation: int) -> Update:
         fresh: dict[bytes, int] = {}
         cursor, seq = 0, None
         while cursor != -1:
@@ -112,20 +127,49 @@ class KeyMirror:
                 fresh[bytes(key)] = int(page)
             cursor = int(reply["next_cursor"])
         assert seq is not None
-        old, self.pages, self.seq = self.pages, fresh, seq
-        self.resyncs += 1
-        changes = list(_diff(old, fresh))
-        log.debug("mirror resync: %d committed keys at seq %d (%d changes)", len(fresh), seq, len(changes))
-        return changes + self.refresh()
+        # The events after the scan's sequence number, so the update is current.
+        events: list[Any] = []
+        after = seq
+        while True:
+            reply = self._source.events(after, PAGE_LIMIT)
+            if reply["reset"]:
+                break  # changed again under us: the next fetch sees the gap and rescans
+            events.extend(reply["events"])
+            after = int(reply["seq"])
+            if len(reply["events"]) < PAGE_LIMIT:
+                break
+        return Update(generation, after, events, fresh)
+
+    def apply(self, update: Update) -> list[Change]:
+        """Bring the mirror to ``update``; returns the changes (nothing if cleared since the fetch)."""
+        if update.generation != self._generation:
+            return []
+        changes: list[Change] = []
+        if update.snapshot is not None:
+            old, self.pages = self.pages, dict(update.snapshot)
+            self.resyncs += 1
+            changes.extend(_diff(old, self.pages))
+            log.debug("mirror resync: %d committed keys", len(self.pages))
+        elif self.seq is None:
+            return []  # cleared and not rescanned: this stream does not apply
+        changes.extend(self._apply(update.events))
+        self.seq = update.seq
+        self.refreshed_at = self._clock()
+        return changes
 
     def note_commit(self, key: bytes, page: int) -> None:
         """Our own commit, visible to our lookups before its event comes back."""
         self.pages[key] = page
 
+    def note_evicted(self, key: bytes) -> None:
+        """An eviction the daemon named in our reserve reply: gone from lookups at once."""
+        self.pages.pop(key, None)
+
     def clear(self) -> None:
-        """Forget everything; the next refresh resyncs."""
+        """Forget everything; the next refresh resyncs, and an update in flight is dropped."""
         self.pages = {}
         self.seq = None
+        self._generation += 1
 
     def _apply(self, events: list[Any]) -> Iterator[Change]:
         pages = self.pages

@@ -42,14 +42,17 @@ class NamespaceOps:
 
     # -- writes: reserve, then commit or abort on the same session --
 
-    def reserve(self, keys: list[bytes]) -> tuple[list[int], list[bytes], Session]:
+    def reserve(self, keys: list[bytes], *, session: Session | None = None,
+                timeout_s: float | None = None) -> tuple[list[int], list[bytes], Session]:
         """(slots, evicted keys, session): page id / SLOT_COMMITTED / SLOT_BUSY per key,
-        shorter when the region is full; the keys the daemon evicted to make room."""
+        shorter when the region is full; the keys the daemon evicted to make room.
+
+        With ``session``, on that session exactly (``LeaseExpired`` if it is gone,
+        never a re-attach): the scheduler's thread never waits for a ``hello``."""
         slots: list[int] = []
         evicted: list[bytes] = []
-        session = None
         for chunk in _chunks(keys):
-            body, session = self._call(session, Op.RESERVE, keys=chunk)
+            body, session = self._call(session, Op.RESERVE, timeout_s, keys=chunk)
             got = [int(s) for s in body["slots"]]
             slots.extend(got)
             evicted.extend(body.get("evicted", ()))
@@ -60,12 +63,15 @@ class NamespaceOps:
     def commit(self, session: Session, keys: list[bytes]) -> None:
         self._release(session, Op.COMMIT, keys)
 
-    def abort(self, session: Session, keys: list[bytes]) -> None:
-        self._release(session, Op.ABORT, keys)
+    def abort(self, session: Session, keys: list[bytes], *, missing_ok: bool = False) -> None:
+        """Drop reservations; ``missing_ok``: after a reserve whose reply never came."""
+        for chunk in _chunks(keys):
+            self.client.request_in(session, Op.ABORT, keys=chunk, missing_ok=missing_ok)
 
     # -- reads: pin, then unpin on the same session --
 
-    def pin_each(self, keys: list[bytes]) -> tuple[list[int], Session]:
+    def pin_each(self, keys: list[bytes], *, session: Session | None = None,
+                 timeout_s: float | None = None) -> tuple[list[int], Session]:
         """Pin every committed key of ``keys``, prefix or not: page ids, ``-1`` where not committed.
 
         ``pin`` holds a committed *prefix*; vLLM's load set is per group and
@@ -74,11 +80,10 @@ class NamespaceOps:
         everything is there; one more per hole.
         """
         pages: list[int] = []
-        session = None
         start = 0
         while start < len(keys):
             chunk = keys[start:start + MAX_KEYS_PER_REQUEST]
-            body, session = self._call(session, Op.PIN, keys=chunk)
+            body, session = self._call(session, Op.PIN, timeout_s, keys=chunk)
             got = [int(p) for p in body["pages"]]
             pages.extend(got)
             start += len(got)
@@ -94,10 +99,11 @@ class NamespaceOps:
 
     # -- one request: the first of a sequence takes the current session, the rest keep it --
 
-    def _call(self, session: Session | None, op: Op, **fields: Any) -> tuple[dict[str, Any], Session]:
+    def _call(self, session: Session | None, op: Op, timeout_s: float | None = None,
+              **fields: Any) -> tuple[dict[str, Any], Session]:
         if session is None:
-            return self.client.request(op, **fields)
-        return self.client.request_in(session, op, **fields), session
+            return self.client.request(op, timeout_s, **fields)
+        return self.client.request_in(session, op, timeout_s, **fields), session
 
     def _release(self, session: Session, op: Op, keys: list[bytes]) -> None:
         """commit, abort or unpin on the session that holds the keys, chunked."""

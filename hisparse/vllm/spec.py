@@ -10,9 +10,10 @@ scheduler hands out means the same bytes to every worker::
       "spec_module_path":"hisparse.vllm"}}'
 
 Construction fails early and clearly for what would otherwise fail quietly
-later: a hash algorithm whose keys no other process can match
-(``config.check_hash_algorithm``), vLLM's canonical layout (not supported),
-or an engine without KV blocks to size pages by.
+later: a hash algorithm whose keys no other process can match, a sync-load
+budget (``engine``), vLLM's canonical layout (not supported), an engine
+without KV blocks to size pages by, or no daemon on the socket. It also
+makes the engine recompute a load that fails (``engine.prepare_engine``).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from hisparse.errors import InvalidArgument
-from hisparse.vllm.config import AdapterConfig, check_hash_algorithm, engine_hash_algo
+from hisparse.errors import DaemonUnavailable, InvalidArgument
+from hisparse.vllm.config import AdapterConfig
+from hisparse.vllm.engine import check_extra_config, find_vllm_config, prepare_engine
 from hisparse.vllm.manager import HiSparseMetrics, HiSparseOffloadingManager
 from hisparse.vllm.namespace import derive_layout, derive_namespace, num_copies
 from hisparse.vllm.rpc import NamespaceOps
@@ -70,8 +72,8 @@ class HiSparseOffloadingSpec(OffloadingSpec):
             HiSparseMetrics.LOOKUP_MISSES: OffloadingCounterMetadata(
                 documentation="Offload keys not found in hisparsed."),
             HiSparseMetrics.PIN_FAILURES: OffloadingCounterMetadata(
-                documentation="Keys evicted between lookup and load; their load failed and vLLM "
-                              "recomputed them."),
+                documentation="Keys vLLM loaded without holding them (a pin lost with a hisparsed "
+                              "restart); their load failed and vLLM recomputed them."),
             HiSparseMetrics.ALLOCATION_FAILURES: OffloadingCounterMetadata(
                 documentation="Stores refused: no evictable page left, or hisparsed unreachable."),
             HiSparseMetrics.EVICTED_KEYS: OffloadingCounterMetadata(
@@ -88,7 +90,8 @@ class HiSparseOffloadingSpec(OffloadingSpec):
         if config.canonical_layout:
             raise InvalidArgument("HiSparseOffloadingSpec does not support canonical_layout: "
                                   "remove it from kv_connector_extra_config")
-        check_hash_algorithm(self.adapter_config, engine_algo=engine_hash_algo())
+        check_extra_config(config.extra_config)
+        prepare_engine(self.adapter_config, find_vllm_config())
         # Replicated (MLA under TP): one copy per block, written by rank 0 and
         # read by every rank; vLLM gates the other ranks' stores on this flag.
         self.replicated_layout = config.replicated_layout
@@ -104,9 +107,15 @@ class HiSparseOffloadingSpec(OffloadingSpec):
         from hisparse.client import attach
 
         cfg = self.adapter_config
-        client = attach(self.namespace, self.layout, socket=cfg.socket, capacity=cfg.capacity_bytes,
-                        timeout_s=cfg.timeout_s,
-                        name=f"vllm {role} engine {self.config.engine_id} rank {self.config.parallel.rank}")
+        try:
+            client = attach(self.namespace, self.layout, socket=cfg.socket, capacity=cfg.capacity_bytes,
+                            timeout_s=cfg.timeout_s,
+                            name=f"vllm {role} engine {self.config.engine_id} rank {self.config.parallel.rank}")
+        except DaemonUnavailable as exc:
+            raise DaemonUnavailable(
+                f"HiSparseOffloadingSpec: no hisparsed answers ({exc}). Start it before the engine "
+                "(`systemctl start hisparsed`, or `hisparsed` as the engine's user), or point "
+                "kv_connector_extra_config.socket at the socket it listens on") from exc
         return NamespaceOps(client)
 
     def get_manager(self) -> OffloadingManager:

@@ -5,6 +5,14 @@ addresses and sizes (``PagePlan`` builds them). Jobs of one lane run in
 submission order, each lane on its own thread or stream, so an expedited
 load never queues behind regular loads.
 
+Fencing: a job names the fence of the scheduler's session that reserved or
+pinned its pages, and copies only while holding it
+(``hisparse.client.fence.hold``: the daemon reuses none of those pages
+meanwhile). A hold that is lost (``LeaseExpired``: the lease ran out or the
+daemon restarted) fails the job: a store then writes nothing, and a load
+whose hold was lost before its copy finished is reported failed, so vLLM
+recomputes instead of using bytes it cannot trust.
+
 - ``CpuCopyEngine``: one thread per lane, ``ctypes.memmove`` per copy. For
   CPU KV caches (tests, CPU-only engines): real copies, same addresses.
 - ``CudaCopyEngine``: one CUDA stream per lane, all of a job's copies in one
@@ -25,13 +33,15 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 from vllm.v1.kv_offload.base import TransferResult
 
-from hisparse.errors import HisparseError
+from hisparse.client.fence import hold
+from hisparse.errors import HisparseError, LeaseExpired
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +50,7 @@ LANES = ("store", "load", "expedited")
 
 class CopyEngine(Protocol):
     def submit(self, job_id: int, lane: str, src: np.ndarray, dst: np.ndarray,
-               sizes: np.ndarray) -> None: ...
+               sizes: np.ndarray, fence_path: str | None = None) -> None: ...
 
     def fail(self, job_id: int) -> None: ...
 
@@ -57,6 +67,24 @@ def _memmove_all(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> float:
     for s, d, n in zip(src.tolist(), dst.tolist(), sizes.tolist()):
         move(d, s, n)
     return time.perf_counter() - started
+
+
+def _fenced_copy(lane: str, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray,
+                 fence_path: str | None) -> float:
+    """The copy, under the fence; ``LeaseExpired`` when the hold is (or got) lost."""
+    if fence_path is None:
+        return _memmove_all(src, dst, sizes)
+    with hold(fence_path, f"{lane} copy"):
+        elapsed_s = _memmove_all(src, dst, sizes)
+        if lane != "store":
+            check_fence(fence_path, lane)  # lost mid-copy: the bytes read are not trusted
+    return elapsed_s
+
+
+def check_fence(fence_path: str, what: str) -> None:
+    """``LeaseExpired`` unless the fence's holds are live (a nested hold checks it)."""
+    with hold(fence_path, what):
+        pass
 
 
 @dataclass
@@ -77,8 +105,8 @@ class CpuCopyEngine:
         self._lock = threading.Lock()
 
     def submit(self, job_id: int, lane: str, src: np.ndarray, dst: np.ndarray,
-               sizes: np.ndarray) -> None:
-        future = self._pools[lane].submit(_memmove_all, src, dst, sizes)
+               sizes: np.ndarray, fence_path: str | None = None) -> None:
+        future = self._pools[lane].submit(_fenced_copy, lane, src, dst, sizes, fence_path)
         with self._lock:
             self._jobs[lane].append(_CpuJob(job_id, future, int(sizes.sum())))
 
@@ -109,7 +137,8 @@ class CpuCopyEngine:
 def _result(job: _CpuJob) -> TransferResult:
     exc = job.future.exception()
     if exc is not None:
-        log.error("hisparse copy job %d failed: %s", job.job_id, exc)
+        level = logging.WARNING if isinstance(exc, LeaseExpired) else logging.ERROR
+        log.log(level, "hisparse copy job %d failed: %s", job.job_id, exc)
         return TransferResult(job_id=job.job_id, success=False)
     return TransferResult(job_id=job.job_id, success=True, transfer_size=job.num_bytes,
                           transfer_time=job.future.result())
@@ -122,6 +151,24 @@ class _CudaJob:
     end: Any
     num_bytes: int
     buffers: tuple[Any, ...]  # the descriptor tensors, alive until the copy ran
+    lane: str = "load"
+    fence: ExitStack | None = None  # the hold on the pages' fence, until the copy ran
+    fence_path: str | None = None
+
+    def let_go(self) -> bool:
+        """Release the hold; False when it was lost before the copy finished (a load is then failed)."""
+        if self.fence is None:
+            return True
+        try:
+            if self.lane != "store" and self.fence_path is not None:
+                check_fence(self.fence_path, self.lane)
+            return True
+        except LeaseExpired as exc:
+            log.warning("hisparse %s job %d: %s", self.lane, self.job_id, exc)
+            return False
+        finally:
+            self.fence.close()
+            self.fence = None
 
 
 class CudaCopyEngine:
@@ -138,8 +185,17 @@ class CudaCopyEngine:
         self._failed: list[TransferResult] = []
 
     def submit(self, job_id: int, lane: str, src: np.ndarray, dst: np.ndarray,
-               sizes: np.ndarray) -> None:
+               sizes: np.ndarray, fence_path: str | None = None) -> None:
         torch = self._torch
+        fence = None
+        if fence_path is not None:
+            fence = ExitStack()
+            try:
+                fence.enter_context(hold(fence_path, f"{lane} copy"))  # until the copy has run
+            except LeaseExpired as exc:
+                log.warning("hisparse %s job %d not copied: %s", lane, job_id, exc)
+                self._failed.append(TransferResult(job_id=job_id, success=False))
+                return
         # cache_kernels.cu takes int64 descriptors in host memory, pinned so the copy is async.
         buffers = tuple(torch.from_numpy(a.astype(np.int64)).pin_memory() for a in (src, dst, sizes))
         stream = self._streams[lane]
@@ -158,9 +214,11 @@ class CudaCopyEngine:
                 end.record(stream)
         except (RuntimeError, HisparseError):
             log.exception("hisparse %s copy job %d failed to launch", lane, job_id)
+            if fence is not None:
+                fence.close()
             self._failed.append(TransferResult(job_id=job_id, success=False))
             return
-        queue.append(_CudaJob(job_id, start, end, int(sizes.sum()), buffers))
+        queue.append(_CudaJob(job_id, start, end, int(sizes.sum()), buffers, lane, fence, fence_path))
 
     def fail(self, job_id: int) -> None:
         self._failed.append(TransferResult(job_id=job_id, success=False))
@@ -177,9 +235,13 @@ class CudaCopyEngine:
                 except RuntimeError:
                     log.exception("hisparse copy job %d failed", job.job_id)
                     queue.popleft()
+                    job.let_go()
                     results.append(TransferResult(job_id=job.job_id, success=False))
                     continue
                 queue.popleft()
+                if not job.let_go():
+                    results.append(TransferResult(job_id=job.job_id, success=False))
+                    continue
                 results.append(TransferResult(job_id=job.job_id, success=True,
                                               transfer_size=job.num_bytes, transfer_time=elapsed_s))
         return results
@@ -200,6 +262,7 @@ class CudaCopyEngine:
                     job.end.synchronize()
                 except RuntimeError:
                     log.exception("hisparse copy job %d failed at shutdown", job.job_id)
+                job.let_go()
             queue.clear()
 
 

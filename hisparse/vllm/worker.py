@@ -172,7 +172,8 @@ class HiSparseOffloadingWorker(OffloadingWorker):
 
     def submit_store(self, job_id: int, device_ptrs: DevicePointers, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, BlockIDsLoadStoreSpec)
-        return self._submit(job_id, "store", device_ptrs, dst_spec.block_ids, to_region=True)
+        return self._submit(job_id, "store", device_ptrs, dst_spec.block_ids, to_region=True,
+                            fence_path=getattr(dst_spec, "fence_path", None))
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, device_ptrs: DevicePointers,
                     expedited: bool = False) -> bool:
@@ -182,10 +183,11 @@ class HiSparseOffloadingWorker(OffloadingWorker):
             self._engine.fail(job_id)
             return True
         lane = "expedited" if expedited else "load"
-        return self._submit(job_id, lane, device_ptrs, src_spec.block_ids, to_region=False)
+        return self._submit(job_id, lane, device_ptrs, src_spec.block_ids, to_region=False,
+                            fence_path=getattr(src_spec, "fence_path", None))
 
     def _submit(self, job_id: int, lane: str, device_ptrs: DevicePointers, page_ids: np.ndarray,
-                to_region: bool) -> bool:
+                to_region: bool, fence_path: str | None) -> bool:
         try:
             address, num_pages = self._region()
             src, dst, sizes = self._plan.descriptors(device_ptrs, page_ids, address, num_pages, to_region)
@@ -194,7 +196,7 @@ class HiSparseOffloadingWorker(OffloadingWorker):
             log.exception("hisparse %s job %d could not be planned", lane, job_id)
             self._engine.fail(job_id)
             return True
-        self._engine.submit(job_id, lane, src, dst, sizes)
+        self._engine.submit(job_id, lane, src, dst, sizes, fence_path)
         return True
 
     def get_finished(self) -> list[TransferResult]:

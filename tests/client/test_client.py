@@ -144,8 +144,8 @@ def test_pins_hold_views_and_count(c):
 
 
 def test_many_keys_are_split_across_requests(daemon_factory):
-    d = daemon_factory(capacity="64MiB", lease_ttl=5)
-    tiny = hisparse.KVLayout(1, 1, 8)
+    d = daemon_factory(capacity="64MiB", lease_ttl=5, extra=("--min-page-bytes", "8"))
+    tiny = hisparse.KVLayout(1, 1, 8)  # below the default min_page_bytes: many keys, little memory
     n = MAX_KEYS_PER_REQUEST + 1000
     keys = [i.to_bytes(8, "little") for i in range(n)]
     pages = torch.arange(n, dtype=torch.int64).view(torch.uint8).view(n, 8)

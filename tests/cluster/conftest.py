@@ -129,8 +129,9 @@ def planter(master) -> Iterator:
 @pytest.fixture
 def nodes(daemon_factory, master):
     """``nodes(n, capacity=..., **cluster_keys)``: n daemons on the master, each its own dirs."""
-    def make(n: int = 2, capacity: str = "64MiB", **extra: str):
-        made = [daemon_factory(capacity=capacity, lease_ttl=5, env=cluster_env(master, **extra))
+    def make(n: int = 2, capacity: str = "128MiB", **extra: str):
+        made = [daemon_factory(capacity=capacity, lease_ttl=5, env=cluster_env(master, **extra),
+                               extra=("--default-namespace-capacity", "32MiB"))
                 for _ in range(n)]
         for d in made:  # connected, its segment mounted: a put may land in it
             wait_for("the cluster tier up", lambda: cluster_state(d.socket) == "up")

@@ -38,6 +38,9 @@ def test_consumer_on_b_retries_then_loads_the_producers_bytes_from_the_cluster(n
 
         manager = consumer.manager
         keys = to_keys([1, 2, 3, 4])
+        # the manager asks (off the scheduler's thread) whether B's daemon has a cluster tier;
+        # until it knows, a lookup is a plain miss
+        wait_for("the cluster tier known", lambda: manager.lookup(keys[0], req()) == LookupResult.RETRY)
         # the scheduler's lookups: nothing local, so RETRY (4 is nowhere: RETRY too, for now)
         assert [manager.lookup(k, req()) for k in keys] == [LookupResult.RETRY] * 4
         assert manager.has_pending_work()

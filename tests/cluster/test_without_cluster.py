@@ -14,7 +14,7 @@ LAYOUT = KVLayout(2, 4, 32)
 
 def test_without_a_cluster_tier_remote_is_zero_and_prefetch_is_refused(hisparsed):
     keys = keys_for("off", 4)
-    with client.attach("m", LAYOUT, socket=hisparsed.socket) as c:
+    with client.attach("m", LAYOUT, socket=hisparsed.socket, capacity="1MiB") as c:
         c.store(keys[:2], np.ones((2, LAYOUT.page_bytes), dtype=np.uint8))
         assert c.lookup_remote(keys) == (2, 0)
         with pytest.raises(ClusterUnavailable, match=r"\[cluster\] backend"):

@@ -72,7 +72,7 @@ def test_bad_input_gets_typed_errors_and_nobody_notices(hisparsed, clients):
         (b"\x00" * (protocol.MAX_FRAME_BYTES + 1), ErrorCode.FRAME_TOO_LARGE),
         (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[b""]), ErrorCode.INVALID_ARGUMENT),
         (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[b"k" * 65]), ErrorCode.INVALID_ARGUMENT),
-        (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[b"k" * 36] * 1_000_000),
+        (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[b"k" * 36] * 300_000),
          ErrorCode.FRAME_TOO_LARGE),
         (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[b"k"] * 1_000_000),
          ErrorCode.INVALID_ARGUMENT),
@@ -120,16 +120,21 @@ def test_namespaces_are_isolated_and_admin_sessions_see_no_region(hisparsed, cli
 
 
 def test_capacity_is_shared_and_enforced(daemon_factory, clients):
-    d = daemon_factory(capacity="1MiB")
-    big = clients(d, "big", capacity_bytes=900 * 1024)
-    assert big.hello_reply["region"]["num_pages"] == 900 * 1024 // LAYOUT.page_bytes
+    d = daemon_factory(capacity="1MiB", extra=("--default-namespace-capacity", "8KiB"))
+    big = clients(d, "big", capacity_bytes=400 * 1024)
+    pages = 400 * 1024 // LAYOUT.page_bytes
+    assert big.hello_reply["region"]["num_pages"] == pages
+    # charged: region, metadata table (4 KiB + 72 B a page) and index (208 B a page)
+    charged = 400 * 1024 + 4096 + 72 * pages + 208 * pages
+    assert big.call(Op.STATS)["daemon"]["allocated_bytes"] == charged
     c = RawClient(d.socket)
     try:
         reply = c.request(Op.HELLO, namespace="too-big", layout=LAYOUT, capacity_bytes=200 * 1024)
         assert reply.error_code == ErrorCode.CAPACITY.value
-        # unsized: what is left, not a refusal
+        assert "region, table and index" in reply.error_message
+        # unsized: default_namespace_capacity, never everything that is left
         rest = c.call(Op.HELLO, namespace="rest", layout=LAYOUT)
-        assert rest["region"]["size_bytes"] <= 1024 * 1024 - 900 * 1024
+        assert rest["region"]["num_pages"] == 8 * 1024 // LAYOUT.page_bytes
     finally:
         c.close()
 
@@ -238,14 +243,17 @@ def test_clean_stop_exits_zero_and_fresh_starts_empty(daemon_factory, clients):
     assert c3.call(Op.LOOKUP, keys=k) == {"count": 0}
 
 
-def test_a_second_daemon_on_the_same_socket_or_dir_is_refused(daemon_factory):
+def test_a_second_daemon_on_the_same_socket_or_dir_is_refused(daemon_factory, tmp_path):
     d = daemon_factory()
     dup = subprocess.run([sys.executable, "-m", "hisparse.daemon.main", "--socket", d.socket,
-                          "--shm-dir", d.shm_dir + "-other"], capture_output=True, text=True, timeout=30)
+                          "--shm-dir", d.shm_dir + "-other", "--meta-dir", str(tmp_path / "other-meta")],
+                         capture_output=True, text=True, timeout=30)
     assert dup.returncode == 1 and "another hisparsed is serving" in dup.stderr
+    # the same metadata directory: the lock names the daemon that holds it
     dup = subprocess.run([sys.executable, "-m", "hisparse.daemon.main", "--socket", d.socket + "2",
                           "--shm-dir", d.shm_dir], capture_output=True, text=True, timeout=30)
     assert dup.returncode == 1 and "hisparsed.lock" in dup.stderr
+    assert f"pid {d.pid}, socket {d.socket}" in dup.stderr
     shutil.rmtree(d.shm_dir + "-other", ignore_errors=True)
     assert ping(d.socket) is not None
 

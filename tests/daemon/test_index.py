@@ -145,3 +145,18 @@ def test_committed_page_scan_pages_through_keys(make_index):
     assert len(got) == 2 and cursor == 2
     rest, cursor = index.committed_page(cursor, 10)
     assert cursor == -1 and {key for key, _ in got + rest} == set(k)
+
+
+def test_a_cluster_read_hold_keeps_the_page_and_its_place_in_the_lru(make_index):
+    index = make_index(num_pages=4)
+    k = keys_for("hold", 6)
+    store(index, k[:4])
+    stamp = index.hold_committed(k[0], 0)  # the oldest page, held while the cluster reads it
+    assert stamp is not None and index.hold_committed(k[1], 3) is None  # not k[1]'s page
+    # room for one more: page 0 is held, so k[1]'s page goes instead
+    slots, evicted = index.reserve((k[4],), {})
+    assert evicted == [k[1]]
+    index.end_hold(0, stamp)
+    # released at its old stamp: still the least recently used, so it goes next
+    slots, evicted = index.reserve((k[5],), {})
+    assert evicted == [k[0]]

@@ -24,6 +24,7 @@ def inproc(tmp_path):
     cfg = config.build(env={}, flags={"socket": str(tmp_path / "s.sock"), "shm_dir": str(tmp_path / "shm"),
                                       "capacity": "16MiB"})
     (tmp_path / "shm").mkdir()
+    (tmp_path / "meta").mkdir(mode=0o700)  # the default meta_dir, beside the socket
     ctx = DaemonContext(cfg, Registry(cfg), SessionTable(5.0), admin_token="secret")
     server = Server(ctx, endpoint_for(cfg.socket))
     server.bind()
@@ -113,7 +114,7 @@ def test_shutdown_needs_the_token_then_stops_the_loop(inproc):
 def test_many_requests_in_flight_are_all_answered(inproc):
     _, _, client, _ = inproc
     c = client()
-    c.hello("ns", KVLayout(1, 1, 8), capacity_bytes=8 * 100)
+    c.hello("ns", KVLayout(2, 4, 8), capacity_bytes=64 * 100)
     for i in range(500):  # more than one reader batch
         c.sock.send(protocol.encode_request(Op.LOOKUP, i, session=c.session, keys=keys_for("k", 4)))
     seen = set()

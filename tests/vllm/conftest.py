@@ -14,6 +14,7 @@ per layer per block (16-byte rows), so one page is 128 bytes and
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +29,10 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
+    LookupResult,
     OffloadKey,
     ReqContext,
+    ScheduleEndContext,
     make_offload_key,
 )
 from vllm.v1.kv_offload.config import (  # noqa: E402
@@ -86,7 +89,8 @@ def offloading_config(socket: str, *, model: str = "org/model-a", dtype: str = "
             is_parallelism_agnostic=False),
         replicated_layout=replicated)
     ec: dict[str, Any] = {"spec_name": "HiSparseOffloadingSpec", "spec_module_path": "hisparse.vllm",
-                          "socket": socket, "timeout_s": 2.0, "mirror_refresh_s": 0}
+                          "socket": socket, "timeout_s": 2.0, "deadline_s": 2.0,
+                          "mirror_refresh_s": 0}
     if capacity_pages is not None:
         from hisparse.vllm.namespace import derive_layout
 
@@ -101,6 +105,61 @@ def _with_extra(config: OffloadingConfig, extra: dict[str, Any]) -> OffloadingCo
     return replace(config, extra_config=extra)
 
 
+class Locked:
+    """The manager as vLLM calls it: every call under ``manager.lock`` (its syncer thread takes it too)."""
+
+    def __init__(self, manager: Any) -> None:
+        self.raw = manager
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.raw, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.raw.lock:
+                result = attr(*args, **kwargs)
+                return list(result) if name == "take_events" else result
+
+        return call
+
+
+def wait_until(predicate: Any, timeout_s: float = 10.0, what: str = "condition",
+               describe: Any = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}" + (f": {describe()}" if describe else ""))
+        time.sleep(0.002)
+
+
+def settled_lookups(manager: Any, keys: list[OffloadKey], ctx: ReqContext | None = None,
+                    timeout_s: float = 10.0) -> list[LookupResult]:
+    """Look ``keys`` up as the scheduler does, step after step, until no answer is RETRY.
+
+    A committed key answers RETRY until the background thread has pinned it;
+    the next look says HIT.
+    """
+    ctx = ctx or ReqContext(req_id="r")
+    results: list[LookupResult] = []
+
+    def settled() -> bool:
+        results[:] = [manager.lookup(k, ctx) for k in keys]
+        if LookupResult.RETRY in results:
+            manager.on_schedule_end(ScheduleEndContext((), ()))
+            return False
+        return True
+
+    wait_until(settled, timeout_s, f"lookups of {len(keys)} keys to settle")
+    return results
+
+
+def settle(manager: Any, timeout_s: float = 10.0) -> None:
+    """Wait until the background thread has run every queued commit, abort and unpin."""
+    wait_until(lambda: manager.stats_snapshot()["pending_jobs"] == 0
+               and manager.stats_snapshot()["writing_keys"] == 0, timeout_s, "queued daemon jobs")
+
+
 @dataclass
 class Engine:
     """One engine's spec, with its manager and CPU workers made on demand."""
@@ -110,7 +169,7 @@ class Engine:
 
     @property
     def manager(self) -> Any:
-        return self.spec.get_manager()
+        return Locked(self.spec.get_manager())
 
     def kv_caches(self, layer_sizes: list[list[int]] | None = None, seed: int = 0) -> CanonicalKVCaches:
         """CPU KV caches, one int8 ``[NUM_GPU_BLOCKS, size]`` tensor per layer, filled at random."""
@@ -127,6 +186,12 @@ class Engine:
                 group_refs.append(CanonicalKVCacheRef(tensor_idx=len(tensors) - 1, page_size_bytes=size))
             refs.append(group_refs)
         return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
+
+    @staticmethod
+    def block_bytes(kv_caches: CanonicalKVCaches, block_id: int) -> bytes:
+        """Every layer's bytes of one block of group 0."""
+        return b"".join(block_bytes(kv_caches, 0, ref, block_id)
+                        for ref in range(len(kv_caches.group_data_refs[0])))
 
     def worker(self, kv_caches: CanonicalKVCaches) -> Any:
         # One worker per spec, as in vLLM. It copies to and from whatever
@@ -162,15 +227,14 @@ def run_jobs(worker: Any, job_ids: set[int]) -> dict[int, bool]:
     """Wait for jobs and collect their results (success per job id)."""
     worker.wait(job_ids)
     results: dict[int, bool] = {}
-    for _ in range(200):
+
+    def done() -> bool:
         for r in worker.get_finished():
             results[r.job_id] = r.success
-        if job_ids <= results.keys():
-            return results
-        import time
+        return job_ids <= results.keys()
 
-        time.sleep(0.005)
-    raise AssertionError(f"jobs {job_ids - results.keys()} never finished")
+    wait_until(done, 10.0, f"jobs {sorted(job_ids)}")
+    return results
 
 
 @pytest.fixture

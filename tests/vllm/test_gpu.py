@@ -6,7 +6,16 @@ import pytest
 import torch
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
-from tests.vllm.conftest import NUM_GPU_BLOCKS, block_bytes, device_pointers, req, run_jobs, to_keys
+from tests.vllm.conftest import (
+    NUM_GPU_BLOCKS,
+    block_bytes,
+    device_pointers,
+    req,
+    run_jobs,
+    settle,
+    settled_lookups,
+    to_keys,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -31,9 +40,12 @@ def test_cuda_round_trip(engines):
     worker.submit_store(1, device_pointers(src, [3, 4, 9, 10, 20, 21]), out.store_spec)
     assert run_jobs(worker, {1}) == {1: True}
     manager.complete_store(out.keys_to_store, req())
+    settle(manager)
 
     dst = cuda_caches([64 * 656] * 4, seed=2)
+    settled_lookups(manager, to_keys([1, 2, 3]), req("l"))
     spec = manager.prepare_load(to_keys([1, 2, 3]), req("l"))
+    assert spec.fence_path  # the worker copies under the session's fence
     # an expedited load, starting at the second block of the first chunk
     worker.submit_load(2, spec, device_pointers(dst, [5, 6, 7, 8, 11], group_sizes=[5], block_indices=[1]),
                        expedited=True)

@@ -102,3 +102,24 @@ def test_max_age_bounds_the_refresh_rate(pair):
     assert not mirror.due()
     now[0] += 0.002
     assert mirror.due()
+
+
+def test_an_update_fetched_before_a_clear_is_dropped(pair):
+    # the background thread fetches unlocked; a reset_cache in between must win
+    mirror, writer = pair
+    writer.store(keys(1), pages(1))
+    mirror.refresh()
+    writer.store(keys(2), pages(1))
+    update = mirror.fetch()
+    mirror.clear()
+    assert mirror.apply(update) == [] and mirror.pages == {}
+    mirror.refresh()  # the next refresh rescans
+    assert set(mirror.pages) == set(keys(1, 2))
+
+
+def test_own_evictions_leave_at_once(pair):
+    mirror, writer = pair
+    writer.store(keys(1), pages(1))
+    mirror.refresh()
+    mirror.note_evicted(b"key-1")
+    assert b"key-1" not in mirror

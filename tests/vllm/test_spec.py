@@ -25,12 +25,12 @@ def test_factory_builds_the_spec_from_extra_config(engines):
     spec = OffloadingSpecFactory.create_spec(config)
     assert isinstance(spec, HiSparseOffloadingSpec)
     assert spec.adapter_config == AdapterConfig(socket=engines.daemon.socket, namespace="my/ns",
-                                                capacity_bytes=16 * 128, timeout_s=3.0,
+                                                capacity_bytes=16 * 128, timeout_s=3.0, deadline_s=2.0,
                                                 hash_algo="sha256_cbor", mirror_refresh_s=0.0)
     assert spec.namespace == "my/ns"
     engine = Engine(spec)
     try:
-        assert isinstance(engine.manager, OffloadingManager)
+        assert isinstance(engine.spec.get_manager(), OffloadingManager)
         assert engine.manager.num_pages == 16  # this engine created the namespace, at its capacity
         assert isinstance(engine.worker(engine.kv_caches()), OffloadingWorker)
     finally:
@@ -129,3 +129,16 @@ def test_layout_of_mla_rows():
 def test_an_engine_without_kv_blocks_is_refused():
     with pytest.raises(InvalidArgument, match="worker_kv_bytes_per_block"):
         HiSparseOffloadingSpec(offloading_config(SOCK, worker_kv_bytes_per_block=0, capacity_pages=None))
+
+
+def test_a_sync_load_budget_is_refused_with_the_reason():
+    # issue 10, item 2: vLLM cannot recompute a failed sync load; the engine would stop
+    with pytest.raises(InvalidArgument, match="sync_load_budget_bytes is 1048576: remove it"):
+        HiSparseOffloadingSpec(offloading_config(SOCK, extra={"sync_load_budget_bytes": 1 << 20}))
+
+
+def test_a_key_of_another_length_names_the_setting_at_the_first_lookup(engines):
+    # where no engine config is visible (a spec built by hand) the first key is checked
+    manager = engines().manager
+    with pytest.raises(HashAlgorithmError, match="set hash_algo to the engine's --prefix-caching-hash-algo"):
+        manager.lookup(make_offload_key(b"\x02" * 16, 0), req())

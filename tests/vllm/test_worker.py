@@ -9,7 +9,7 @@ from hisparse.client import attach
 from hisparse.layout import KVLayout
 from hisparse.vllm.manager import HiSparseLoadStoreSpec
 from hisparse.vllm.worker import PagePlan
-from tests.vllm.conftest import block_bytes, device_pointers, req, run_jobs, to_keys
+from tests.vllm.conftest import block_bytes, device_pointers, req, run_jobs, settle, settled_lookups, to_keys
 
 
 def store_blocks(engine, caches, ints: list[int], block_ids: list[int], job_id: int = 1, **ptr_kw):
@@ -20,6 +20,7 @@ def store_blocks(engine, caches, ints: list[int], block_ids: list[int], job_id: 
     worker.submit_store(job_id, device_pointers(caches, block_ids, **ptr_kw), out.store_spec)
     assert run_jobs(worker, {job_id}) == {job_id: True}
     manager.complete_store(out.keys_to_store, req())
+    settle(manager)
     return out
 
 
@@ -27,6 +28,7 @@ def load_blocks(engine, caches, ints: list[int], block_ids: list[int], job_id: i
                 ctx: ReqContext | None = None, **ptr_kw) -> bool:
     ctx = ctx or req("load")
     manager, worker = engine.manager, engine.workers[0]
+    settled_lookups(manager, to_keys(ints), ctx)
     spec = manager.prepare_load(to_keys(ints), ctx)
     worker.submit_load(job_id, spec, device_pointers(caches, block_ids, **ptr_kw))
     ok = run_jobs(worker, {job_id})[job_id]
@@ -96,8 +98,10 @@ def test_two_groups_of_unequal_layers(engines):
     worker.submit_store(1, ptrs, out.store_spec)
     assert run_jobs(worker, {1}) == {1: True}
     manager.complete_store(keys, req())
+    settle(manager)
 
     dst = engine.kv_caches(sizes, seed=8)
+    settled_lookups(manager, keys, req("l"))
     spec = manager.prepare_load(keys, req("l"))
     worker.submit_load(2, spec, device_pointers(dst, [9, 10, 11, 12], group_sizes=[2, 2], block_indices=[0, 0]))
     assert run_jobs(worker, {2}) == {2: True}
@@ -118,7 +122,9 @@ def test_tensor_parallel_ranks_share_a_page(engines):
         rank.worker(caches[r]).submit_store(1, device_pointers(caches[r], [2]), out.store_spec)
         assert run_jobs(rank.workers[0], {1}) == {1: True}
     ranks[0].manager.complete_store(to_keys([1]), req())
+    settle(ranks[0].manager)
 
+    settled_lookups(ranks[0].manager, to_keys([1]), req("l"))
     spec = ranks[0].manager.prepare_load(to_keys([1]), req("l"))
     for r, rank in enumerate(ranks):
         dst = rank.kv_caches(seed=20 + r)

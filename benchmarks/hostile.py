@@ -1,0 +1,203 @@
+"""Hostile peers against hisparsed: a well-behaved client's latency and the daemon's memory.
+
+    python benchmarks/hostile.py [--seconds 3] [--flooders 3] [--big-namespace 2GiB]
+
+Each scenario runs against the same daemon and is printed beside the idle
+baseline measured in the same run:
+
+- idle: ping and lookup round trips of a well-behaved client;
+- flood: the same while ``--flooders`` peers send the largest legal lookups
+  (65,536 keys of 64 B, 4.3 MB a frame) and one more scans ``keys`` with the
+  largest limit, none of them reading a reply;
+- oversized: two peers each send one 512 MiB frame;
+- creation: another namespace of ``--big-namespace`` is created (its region
+  allocated) meanwhile;
+- SIGTERM under the flood: seconds until the daemon has exited.
+
+Memory is the daemon's peak resident set (``VmHWM``), so nothing between
+samples is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from collections.abc import Iterator
+
+import zmq
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hisparse import KVLayout, protocol  # noqa: E402
+from hisparse.layout import format_size, parse_size  # noqa: E402
+from hisparse.local import env_with_package, start_daemon  # noqa: E402
+from hisparse.protocol import Op  # noqa: E402
+
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hostile_peer.py")
+SMALL = KVLayout(num_layers=2, block_tokens=4, row_bytes=64)
+BIG = KVLayout(num_layers=78, block_tokens=64, row_bytes=656)  # GLM-5.x pages, 3.1 MiB
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else float("nan")
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set (VmHWM): no sample can miss a spike."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start VmHWM over from the current RSS (Linux >= 4.0; needs the right to write it)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+class WellBehaved:
+    """A client on its own namespace: ping and lookup round trips, one at a time."""
+
+    def __init__(self, socket_path: str, timeout_s: float = 30.0) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect("ipc://" + socket_path)
+        self.timeout_ms = int(timeout_s * 1000)
+        self.rid = 0
+        self.session = self.call(Op.HELLO, namespace="well-behaved", layout=SMALL,
+                                 capacity_bytes=SMALL.page_bytes * 256, client="well-behaved")["session"]
+        self.keys = [i.to_bytes(8, "little") * 4 for i in range(16)]
+
+    def call(self, op: Op, **fields) -> dict:
+        self.rid += 1
+        self.sock.send(protocol.encode_request(op, self.rid, **fields))
+        while True:
+            if not self.sock.poll(self.timeout_ms):
+                raise TimeoutError(f"no reply to {op.value} in {self.timeout_ms} ms")
+            reply = protocol.decode_reply(self.sock.recv())
+            if reply.id == self.rid:
+                return reply.result()
+
+    def round_trips(self, seconds: float, stop: threading.Event | None = None) -> tuple[list[float], list[float]]:
+        """(ping seconds, lookup seconds) for ``seconds`` or until ``stop`` is set."""
+        pings, lookups = [], []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not (stop and stop.is_set()):
+            t0 = time.perf_counter()
+            self.call(Op.PING)
+            t1 = time.perf_counter()
+            self.call(Op.LOOKUP, session=self.session, keys=self.keys)
+            t2 = time.perf_counter()
+            pings.append(t1 - t0)
+            lookups.append(t2 - t1)
+        return pings, lookups
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+@contextmanager
+def hostile_peers(socket_path: str, kinds: list[list[str]]) -> Iterator[list[subprocess.Popen]]:
+    """Start one ``hostile_peer.py`` per entry of ``kinds``; each is flooding once this yields."""
+    procs = [subprocess.Popen([sys.executable, PEER, socket_path, *kind], stdout=subprocess.PIPE,
+                              text=True, env=env_with_package()) for kind in kinds]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "flooding"
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+
+def create_namespace_async(socket_path: str, capacity_bytes: int) -> tuple[threading.Thread, dict]:
+    """Send a hello that creates a big namespace; the thread ends when its reply came."""
+    out: dict = {}
+
+    def run() -> None:
+        c = zmq.Context.instance().socket(zmq.DEALER)
+        c.setsockopt(zmq.LINGER, 0)
+        c.connect("ipc://" + socket_path)
+        t0 = time.perf_counter()
+        c.send(protocol.encode_request(Op.HELLO, 1, namespace="big", layout=BIG,
+                                       capacity_bytes=capacity_bytes, client="big creator"))
+        if c.poll(600_000):
+            out["reply"] = protocol.decode_reply(c.recv())
+        out["seconds"] = time.perf_counter() - t0
+        c.close(linger=0)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def row(name: str, pings: list[float], lookups: list[float], rss: int, note: str = "") -> str:
+    return (f"{name:<28} {1e3 * percentile(pings, 50):>8.2f} {1e3 * percentile(pings, 99):>8.2f} "
+            f"{1e3 * max(pings, default=float('nan')):>8.2f} {1e3 * percentile(lookups, 99):>9.2f} "
+            f"{len(pings):>7d} {format_size(rss):>11} {note}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--flooders", type=int, default=3)
+    p.add_argument("--big-namespace", default="2GiB")
+    p.add_argument("--oversized", default="512MiB")
+    args = p.parse_args()
+    big = parse_size(args.big_namespace)
+    with start_daemon(str(big + (512 << 20)), extra=("--log-level", "WARNING")) as d:
+        wb = WellBehaved(d.socket)
+        print(f"hisparsed pid {d.pid}; {args.flooders} lookup flooders + 1 keys flooder; "
+              f"{args.seconds:.0f}s a scenario")
+        print(f"{'scenario':<28} {'ping p50':>8} {'p99 ms':>8} {'max ms':>8} {'lookup p99':>9} "
+              f"{'pings':>7} {'daemon peak':>11}")
+        pings, lookups = wb.round_trips(args.seconds)
+        print(row("idle", pings, lookups, peak_rss_bytes(d.pid)))
+        idle_p99 = percentile(pings, 99)
+        kinds = [["lookup"]] * args.flooders + [["keys"]]
+        reset_peak_rss(d.pid)
+        with hostile_peers(d.socket, kinds):
+            pings, lookups = wb.round_trips(args.seconds)
+            flood_p99 = percentile(pings, 99)
+            print(row("flood", pings, lookups, peak_rss_bytes(d.pid),
+                      f"(p99 {flood_p99 / idle_p99:.0f}x idle)"))
+        size = str(parse_size(args.oversized))
+        reset_peak_rss(d.pid)
+        with hostile_peers(d.socket, [["frame", size], ["frame", size]]):
+            pings, lookups = wb.round_trips(args.seconds)
+            print(row(f"2 frames of {args.oversized}", pings, lookups, peak_rss_bytes(d.pid)))
+        reset_peak_rss(d.pid)
+        thread, out = create_namespace_async(d.socket, big)
+        stop = threading.Event()
+        waiter = threading.Thread(target=lambda: (thread.join(), stop.set()))
+        waiter.start()
+        pings, lookups = wb.round_trips(600, stop)
+        waiter.join()
+        ok = out.get("reply") is not None and out["reply"].ok is not None
+        print(row(f"create {args.big_namespace} namespace", pings, lookups, peak_rss_bytes(d.pid),
+                  f"(created in {out.get('seconds', float('nan')):.2f}s, ok={ok})"))
+        wb.close()
+        with hostile_peers(d.socket, kinds):
+            t0 = time.monotonic()
+            d.proc.send_signal(signal.SIGTERM)
+            d.proc.wait(60)
+            print(f"SIGTERM under the flood: exited {d.proc.returncode} in {time.monotonic() - t0:.2f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Peers that flood, send huge frames, or make the daemon allocate: nobody else waits long.
+
+The hostile peers are real processes (``benchmarks/hostile_peer.py``); the
+figures these bounds come from are ``benchmarks/hostile.py``'s (README).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+
+from hisparse import KVLayout, protocol
+from hisparse.protocol import Op
+from tests.rawclient import RawClient, keys_for
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+from hostile import (  # noqa: E402
+    BIG,
+    WellBehaved,
+    create_namespace_async,
+    hostile_peers,
+    peak_rss_bytes,
+    percentile,
+    reset_peak_rss,
+)
+
+# Bounds, each several times what benchmarks/hostile.py measures on a busy
+# 2-core machine (ping p99 ~40 ms, +60 MiB under 3+1 flooders).
+FLOOD_PING_P99_S = 1.0
+FLOOD_EXTRA_RSS_BYTES = 256 << 20
+OVERSIZED_EXTRA_RSS_BYTES = 64 << 20
+
+
+def test_an_oversized_frame_is_dropped_unread(hisparsed):
+    reset_peak_rss(hisparsed.pid)
+    before = peak_rss_bytes(hisparsed.pid)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect("ipc://" + hisparsed.socket)
+        frame = bytearray(200 << 20)
+        frame[0] = 0x81
+        sock.send(frame, copy=False)
+        del frame
+        # the connection is dropped at the frame's header: no reply, nothing buffered
+        assert not sock.poll(2000)
+    finally:
+        sock.close(linger=0)
+    c = RawClient(hisparsed.socket)
+    try:
+        assert c.call(Op.PING)["pid"] == hisparsed.pid
+    finally:
+        c.close()
+    assert peak_rss_bytes(hisparsed.pid) - before < OVERSIZED_EXTRA_RSS_BYTES
+
+
+def test_flooding_peers_cannot_starve_a_well_behaved_client(hisparsed):
+    wb = WellBehaved(hisparsed.socket, timeout_s=10)
+    try:
+        wb.round_trips(0.2)
+        reset_peak_rss(hisparsed.pid)
+        before = peak_rss_bytes(hisparsed.pid)
+        with hostile_peers(hisparsed.socket, [["lookup"]] * 3 + [["keys"]]):
+            pings, lookups = [], []
+            while len(pings) < 40:
+                p, lk = wb.round_trips(0.5)
+                pings += p
+                lookups += lk
+            assert percentile(pings, 99) < FLOOD_PING_P99_S, sorted(pings)[-5:]
+            assert percentile(lookups, 99) < FLOOD_PING_P99_S, sorted(lookups)[-5:]
+            assert peak_rss_bytes(hisparsed.pid) - before < FLOOD_EXTRA_RSS_BYTES
+            # SIGTERM is honoured under the flood
+            stopped = time.monotonic()
+            assert hisparsed.stop(signal.SIGTERM, timeout_s=10) == 0
+            assert time.monotonic() - stopped < 10
+    finally:
+        wb.close()
+
+
+def test_a_namespace_being_created_blocks_neither_others_nor_the_watchdog(daemon_factory, tmp_path):
+    notify_path = str(tmp_path / "notify.sock")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    big_bytes = 40 * BIG.page_bytes * 24  # 3 GiB of GLM-sized pages: ~0.5 s of fallocate
+    d = daemon_factory(capacity="4GiB", env={"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "40000"})
+    wb = WellBehaved(d.socket)
+    beats: list[float] = []
+    stop = threading.Event()
+
+    def count_beats() -> None:
+        notify.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                if notify.recv(4096) == b"WATCHDOG=1":
+                    beats.append(time.monotonic())
+            except TimeoutError:
+                pass
+
+    listener = threading.Thread(target=count_beats)
+    listener.start()
+    try:
+        thread, out = create_namespace_async(d.socket, big_bytes)
+        answered_meanwhile = 0
+        beats_before = len(beats)
+        while thread.is_alive():
+            pings, lookups = wb.round_trips(0.01)
+            answered_meanwhile += len(pings) if thread.is_alive() else 0
+        thread.join()
+        beats_meanwhile = [t for t in beats[beats_before:] if t < time.monotonic()]
+        reply = out["reply"]
+        assert reply.ok is not None and reply.ok["region"]["num_pages"] == 40 * 24
+        # the other namespace's calls were answered while the region was allocated
+        assert answered_meanwhile >= 3, (answered_meanwhile, out["seconds"])
+        assert len(beats_meanwhile) >= 2 or out["seconds"] < 0.1
+    finally:
+        stop.set()
+        listener.join()
+        notify.close()
+        wb.close()
+
+
+def test_keys_and_events_replies_are_bounded(daemon_factory):
+    d = daemon_factory()
+    layout = KVLayout(1, 1, 64)
+    n = 20_000
+    c = RawClient(d.socket, timeout_s=30)
+    try:
+        c.hello("many", layout, capacity_bytes=64 * n)
+        c.call(Op.EVENTS, after=0)  # a mirror asks: events are kept from now on
+        keys = keys_for("many", n)
+        for start in range(0, n, 5000):
+            chunk = keys[start:start + 5000]
+            c.call(Op.RESERVE, keys=chunk)
+            c.call(Op.COMMIT, keys=chunk)
+        events = c.call(Op.EVENTS, after=0, limit=protocol.MAX_EVENTS_PER_REPLY)
+        assert 0 < len(events["events"]) <= 16_384 and not events["reset"]
+        first = c.call(Op.KEYS, cursor=0, limit=protocol.MAX_EVENTS_PER_REPLY)
+        assert 0 < len(first["keys"]) <= 16_384 and first["next_cursor"] != -1
+        seen = {bytes(k) for k, _ in first["keys"]}
+        cursor = first["next_cursor"]
+        while cursor != -1:
+            page = c.call(Op.KEYS, cursor=cursor, limit=protocol.MAX_EVENTS_PER_REPLY)
+            seen |= {bytes(k) for k, _ in page["keys"]}
+            cursor = page["next_cursor"]
+        assert seen == set(keys)
+        # clear drops every page at once and tells mirrors to resync
+        seq = c.call(Op.EVENTS, after=0, limit=1)["seq"]
+        token = d.token
+        assert c.call(Op.CLEAR, namespace="many", token=token)["freed_pages"] == n
+        assert c.call(Op.EVENTS, after=seq)["reset"] is True
+        assert c.call(Op.KEYS, cursor=0)["keys"] == []
+        assert c.call(Op.LOOKUP, keys=keys) == {"count": 0}
+        assert len(c.call(Op.RESERVE, keys=keys[:10])["slots"]) == 10
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("frame_bytes", [protocol.MAX_FRAME_BYTES + 1])
+def test_a_frame_just_over_the_limit_still_gets_a_typed_reply(hisparsed, frame_bytes):
+    c = RawClient(hisparsed.socket)
+    try:
+        reply = c.send_raw(b"\x81" + b"\0" * (frame_bytes - 1))
+        assert reply is not None and reply.error_code == "FRAME_TOO_LARGE"
+    finally:
+        c.close()
