@@ -186,15 +186,16 @@ def main(argv: list[str] | None = None) -> int:
         out = np.zeros_like(data)
         fetch: dict[str, list[float]] = {"hisparse": [], "mooncake": []}
         store_s: dict[str, list[float]] = {"on": [], "off": []}
-        mooncake_get()  # warm both paths once
+        mooncake_get()  # warm every path once
         hisparse_fetch()
+        assert coff.store(_keys("warm", n), data) == n  # as A's first store above
         for rep in range(args.reps):
             _clear(b_sock)
             fetch["hisparse"].append(_timed(hisparse_fetch))
             fetch["mooncake"].append(_timed(mooncake_get))
             fresh = _keys(f"store/{rep}", n)
             # the previous rep's write-behind done: time what the engine's own call pays
-            _wait("write-behind", lambda: _cluster(a_sock)["put_pages"] >= (rep + 1) * n)
+            _wait("write-behind", lambda: _cluster(a_sock)["put_pages"] >= (rep + 1) * n, timeout_s=300)
             for side in (("on", "off") if rep % 2 == 0 else ("off", "on")):
                 c = ca if side == "on" else coff
                 store_s[side].append(_timed(lambda: c.store(fresh, data)))

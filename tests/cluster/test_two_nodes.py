@@ -135,3 +135,25 @@ def test_on_evict_writes_only_the_next_victims_and_gets_them_back(nodes):
         assert ca.prefetch(old[:8])["promoted"] == 8
         out = np.zeros((8, LAYOUT.page_bytes), dtype=np.uint8)
         assert ca.load(old[:8], out) == 8 and np.array_equal(out, data[:8])
+
+
+def test_a_dropped_namespace_made_again_gets_its_pages_back_from_the_cluster(nodes):
+    import subprocess
+    import sys
+
+    (a,) = nodes(1)
+    keys, data = keys_for("dropped", 8), pages(8, 40)
+    with client.attach("m", LAYOUT, socket=a.socket, capacity="1MiB") as ca:
+        ca.store(keys, data)
+        wait_for("write-behind", lambda: drained(cluster_stats(ca)) and cluster_stats(ca)["put_pages"] == 8)
+    r = subprocess.run([sys.executable, "-m", "hisparse.ctl", "--socket", a.socket, "drop", "m"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    with client.attach("m", LAYOUT, socket=a.socket, capacity="1MiB") as ca:
+        assert ca.lookup_remote(keys) == (0, 8)  # same name and layout: the same cluster keys
+        assert ca.prefetch(keys)["promoted"] == 8
+        out = np.zeros_like(data)
+        assert ca.load(keys, out) == 8 and np.array_equal(out, data)
+        more = keys_for("after-drop", 4)
+        ca.store(more, pages(4, 41))
+        wait_for("write-behind into the new region", lambda: cluster_stats(ca)["put_pages"] == 12)
