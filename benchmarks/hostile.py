@@ -7,7 +7,7 @@ baseline measured in the same run:
 
 - idle: ping and lookup round trips of a well-behaved client;
 - flood: the same while ``--flooders`` peers send the largest legal lookups
-  (65,536 keys of 64 B, 4.3 MB a frame) and one more scans ``keys`` with the
+  (16,384 keys of 64 B, 1.1 MB a frame) and one more scans ``keys`` with the
   largest limit, none of them reading a reply;
 - oversized: two peers each send one 512 MiB frame;
 - creation: another namespace of ``--big-namespace`` is created (its region

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
 import signal
 import sys
@@ -168,9 +169,10 @@ def main() -> int:
     parser.add_argument("--phase-s", type=float, default=6.0, help="length of each phase")
     parser.add_argument("--deadline-s", type=float, default=0.02, help="the adapter's deadline_s")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's per-request "cannot store" notes
-
     from tests.vllm.harness import VllmEngine, prompt
+
+    # vLLM warns "cannot store chunks" for every request while stores are skipped
+    logging.getLogger("vllm").setLevel(logging.ERROR)
 
     with Daemon("64MiB") as daemon:
         engine = VllmEngine(daemon.socket, engine_id="bench", num_blocks=256,

@@ -26,16 +26,18 @@ class Control:
     dropped); this class only adds the admin session.
     """
 
-    def __init__(self, socket_path: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, socket_path: str, timeout_s: float = 5.0, token: str | None = None) -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
+        self.token = token  # shown at hello: stats then list group-restricted namespaces too
         self._transport = Transport(os.path.abspath(socket_path))
         self.session: int | None = None
 
     def call(self, op: protocol.Op, **fields: Any) -> dict[str, Any]:
         if op not in protocol.SESSIONLESS_OPS:
             if self.session is None:
-                self.session = self.call(protocol.Op.HELLO, client=f"hisparsectl pid {os.getpid()}")["session"]
+                self.session = self.call(protocol.Op.HELLO, client=f"hisparsectl pid {os.getpid()}",
+                                         token=self.token)["session"]
             fields["session"] = self.session
         try:
             return self._transport.call(op, self.timeout_s, **fields)
@@ -139,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("handle", help="the 8-hex-digit handle `stats` shows")
     args = p.parse_args(argv)
     socket_path = args.socket or default_socket_path()
-    ctl = Control(socket_path, args.timeout)
+    try:  # the daemon's user and root see every namespace; others the open ones
+        quiet_token: str | None = read_token(socket_path, args.token_file)
+    except HisparseError:
+        quiet_token = None
+    ctl = Control(socket_path, args.timeout, quiet_token)
     try:
         if args.command == "ping":
             r = ctl.call(protocol.Op.PING)

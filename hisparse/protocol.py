@@ -39,7 +39,8 @@ from hisparse.layout import MAX_SIZE_BYTES, KVLayout, parse_size
 VERSION = 2  # 2: fences, unpin by page, sessions bound to their connection
 
 MAX_FRAME_BYTES = 8 << 20  # a larger frame is refused before it is decoded
-MAX_KEYS_PER_REQUEST = 65_536  # a 64K-token prompt at block size 1; 4M tokens at 64
+MAX_KEYS_PER_REQUEST = 16_384  # 1M tokens at block size 64; clients split longer chains. Small enough
+# that one request costs the loop a few ms (what a flooding peer may delay others by)
 MIN_KEY_BYTES = 1
 MAX_KEY_BYTES = 64  # vLLM's OffloadKey is 36 bytes (32-byte hash + 4-byte group)
 MAX_NAMESPACE_CHARS = 256
@@ -216,6 +217,8 @@ class HelloRequest(Request):
     layout: KVLayout | None
     capacity_bytes: int | None  # region size if this hello creates the namespace
     client: str  # free text for logs: "pid 1234 vllm-engine-0"
+    access_key: str | None = None  # a group-restricted namespace's key (access/<tag>.key beside the socket)
+    token: str | None = None  # admin session: the admin token, to see every namespace in stats
 
 
 @dataclass(frozen=True)
@@ -371,7 +374,11 @@ def _hello(op: Op, rid: int, msg: dict[str, Any]) -> HelloRequest:
     if capacity is not None and not 0 < capacity <= MAX_SIZE_BYTES:
         raise WireError(ErrorCode.INVALID_ARGUMENT,
                         f"capacity_bytes must be 1-{MAX_SIZE_BYTES}, not {str(capacity)[:24]}")
-    return HelloRequest(op, rid, None, namespace, layout, capacity, client[:200])
+    access_key = _field(msg, "access_key", (str,), optional=True)
+    token = _field(msg, "token", (str,), optional=True)
+    if access_key is not None and len(access_key) > 256 or token is not None and len(token) > 256:
+        raise WireError(ErrorCode.INVALID_ARGUMENT, "access_key and token are at most 256 characters")
+    return HelloRequest(op, rid, None, namespace, layout, capacity, client[:200], access_key, token)
 
 
 def decode_request(frame: bytes) -> Request:

@@ -156,8 +156,13 @@ def daemon_factory(tmp_path) -> Iterator:
 
 @pytest.fixture
 def hisparsed(daemon_factory) -> Daemon:
-    """One running daemon: 256 MiB, lease ttl 2 s."""
-    return daemon_factory(lease_ttl=2)
+    """One running daemon: 256 MiB, lease ttl 10 s.
+
+    Long enough that a test's bare protocol client (no heartbeat) keeps its
+    session while a busy machine starts subprocesses; tests about expiry
+    make their own daemon with a short lease.
+    """
+    return daemon_factory(lease_ttl=10)
 
 
 @pytest.fixture

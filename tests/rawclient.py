@@ -55,10 +55,12 @@ class RawClient:
         return self.request(op, **fields).result()
 
     def hello(self, namespace: str | None = None, layout: KVLayout | None = None,
-              capacity_bytes: int | None = None, *, fence: bool = True) -> dict[str, Any]:
+              capacity_bytes: int | None = None, *, fence: bool = True,
+              access_key: str | None = None) -> dict[str, Any]:
         """Open a session; with a namespace, lock its fence (``fence=False``: leave it unlocked)."""
         self.hello_reply = self.call(Op.HELLO, namespace=namespace, layout=layout,
-                                     capacity_bytes=capacity_bytes, client=f"test pid {os.getpid()}")
+                                     capacity_bytes=capacity_bytes, client=f"test pid {os.getpid()}",
+                                     access_key=access_key)
         self.session = self.hello_reply["session"]
         self.release_fence()
         if fence and self.hello_reply.get("fence"):

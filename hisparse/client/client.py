@@ -40,6 +40,7 @@ from hisparse.client.regions import acquire_region, release_region
 from hisparse.client.transport import Transport, default_socket_path
 from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired, ProtocolError, Timeout
 from hisparse.layout import KVLayout, parse_size
+from hisparse.paths import read_access_key
 from hisparse.protocol import MAX_KEYS_PER_REQUEST, SLOT_BUSY, Op
 from hisparse.shm.fence import fence_dir_for
 from hisparse.shm.region import RegionMap
@@ -133,7 +134,8 @@ class Client:
     def _hello(self) -> ClientSession:
         body = self._transport.call(Op.HELLO, self.timeout_s, namespace=self.namespace,
                                     layout=self.layout, capacity_bytes=self._capacity_bytes,
-                                    client=self._name)
+                                    client=self._name,
+                                    access_key=read_access_key(self.socket_path, self.namespace))
         for warning in body.get("warnings") or ():
             log.warning("hisparsed: %s", warning)
         name = body.get("fence")

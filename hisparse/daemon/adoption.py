@@ -106,7 +106,8 @@ def _adopt(registry: Registry, table: MetaTable, region_path: str | None) -> Nam
     if h.geometry.layout.page_bytes < cfg.min_page_bytes:
         raise InvalidArgument(f"its pages of {h.geometry.layout.page_bytes} B are below min_page_bytes")
     configured = cfg.namespaces.get(h.namespace)
-    if configured and configured.capacity_bytes // h.geometry.layout.page_bytes != h.geometry.num_pages:
+    if (configured and configured.capacity_bytes
+            and configured.capacity_bytes // h.geometry.layout.page_bytes != h.geometry.num_pages):
         raise InvalidArgument(f"resized by the config: {h.geometry.num_pages} pages now "
                               f"{configured.capacity_bytes // h.geometry.layout.page_bytes}; "
                               "its committed pages are dropped")

@@ -29,7 +29,8 @@ class ConfigError(HisparseError):
 
 @dataclass(frozen=True)
 class NamespaceConfig:
-    capacity_bytes: int
+    capacity_bytes: int | None  # None: as an unlisted namespace (attach's capacity, else the default)
+    group: str | None = None  # only members of this group may attach (and map its region)
 
 
 CLUSTER_BACKENDS = ("none", "mooncake")
@@ -102,7 +103,8 @@ class Config:
 
     def summary(self) -> str:
         """One line for the start-up log: the config in force."""
-        ns = ", ".join(f"{n}={format_size(c.capacity_bytes)}" for n, c in self.namespaces.items())
+        ns = ", ".join(f"{n}={format_size(c.capacity_bytes) if c.capacity_bytes else 'unsized'}"
+                       + (f" group {c.group}" if c.group else "") for n, c in self.namespaces.items())
         return (f"socket={self.socket} shm_dir={self.shm_dir} meta_dir={self.metadata_dir} "
                 f"capacity={format_size(self.capacity_bytes)} "
                 f"default_namespace_capacity={format_size(self.default_namespace_capacity_bytes)} "
@@ -185,6 +187,18 @@ _KEYS: dict[str, tuple[str, Any]] = {
 RELOADABLE = ("lease_ttl_s", "log_level", "session_pin_share", "session_reserve_share")
 
 
+def _group(key: str, value: Any) -> str:
+    import grp
+
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: must be a group name, not {value!r}")
+    try:
+        grp.getgrnam(value)
+    except KeyError:
+        raise ConfigError(f"{key}: no group {value!r} on this machine (create it, or fix the name)") from None
+    return value
+
+
 def _namespaces(value: Any) -> dict[str, NamespaceConfig]:
     if not isinstance(value, dict):
         raise ConfigError("namespaces: must be a table of [namespaces.\"NAME\"] tables")
@@ -192,13 +206,15 @@ def _namespaces(value: Any) -> dict[str, NamespaceConfig]:
     for name, table in value.items():
         where = f'namespaces."{name}"'
         if not isinstance(table, dict):
-            raise ConfigError(f"{where}: must be a table with a capacity")
-        unknown = set(table) - {"capacity"}
+            raise ConfigError(f"{where}: must be a table with a capacity and/or a group")
+        unknown = set(table) - {"capacity", "group"}
         if unknown:
-            raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown key (known: capacity)")
-        if "capacity" not in table:
-            raise ConfigError(f"{where}.capacity: missing")
-        out[name] = NamespaceConfig(_size(f"{where}.capacity", table["capacity"]))
+            raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown key (known: capacity, group)")
+        if "capacity" not in table and "group" not in table:
+            raise ConfigError(f"{where}.capacity: missing (give it a capacity, a group, or both)")
+        capacity = _size(f"{where}.capacity", table["capacity"]) if "capacity" in table else None
+        group = _group(f"{where}.group", table["group"]) if "group" in table else None
+        out[name] = NamespaceConfig(capacity, group)
     return out
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import hisparse
+from hisparse.daemon.access import AccessControl
 from hisparse.daemon.config import Config
 from hisparse.daemon.governance import check_pin_quota, handle_drop, reserve_room
 from hisparse.daemon.namespaces import Namespace, Registry
@@ -63,6 +64,8 @@ class DaemonContext:
     requests_total: int = 0
     errors_total: int = 0
     transport_stats: Callable[[], dict[str, int]] = lambda: {}
+    access: AccessControl | None = None  # None: every namespace open (no prepare)
+    privileged: set[int] = field(default_factory=set)  # admin sessions that showed the token
 
     def __post_init__(self) -> None:
         if not self.fence_dir:
@@ -104,8 +107,13 @@ def _attach_errors(exc: BaseException) -> WireError | None:
 
 def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, Any] | Deferred:
     if req.namespace is None:
-        return _open_session(ctx, None, req, [], ctx.peer)
+        body = _open_session(ctx, None, req, [], ctx.peer)
+        if req.token is not None and hmac.compare_digest(req.token.encode(), ctx.admin_token.encode()):
+            ctx.privileged.add(body["session"])
+        return body
     assert req.layout is not None
+    if ctx.access is not None:
+        ctx.access.check(req.namespace, req.access_key)
     warnings: list[str] = []
     peer = ctx.peer  # the connection the session is bound to, also when answered later
     try:
@@ -298,7 +306,11 @@ def handle_bye(ctx: DaemonContext, session: Session, req: Request) -> dict[str, 
 
 def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str, Any]:
     namespaces = {}
+    ctx.privileged &= ctx.sessions.sessions.keys()
+    sees_all = session.id in ctx.privileged or ctx.access is None
     for name, ns in ctx.registry.namespaces.items():
+        if not sees_all and ctx.access.restricted(name) and session.namespace is not ns:  # type: ignore[union-attr]
+            continue  # a group's namespace: shown to its own sessions and to the admin
         snap: dict[str, Any] = dict(ns.index.snapshot())
         snap.update(page_bytes=ns.layout.page_bytes, size_bytes=ns.geometry.size_bytes,
                     committed_bytes=snap["committed_pages"] * ns.layout.page_bytes,
@@ -321,7 +333,7 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
     daemon["cluster"] = ctx.cluster.stats() if ctx.cluster is not None else {"backend": "none"}
     body: dict[str, Any] = {"daemon": daemon, "namespaces": namespaces}
     if session.namespace is None:  # hisparsectl: who holds what, stalled ones included
-        body["sessions"] = _session_rows(ctx)
+        body["sessions"] = [row for row in _session_rows(ctx) if row["namespace"] in namespaces]
     return body
 
 

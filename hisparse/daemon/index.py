@@ -315,6 +315,27 @@ class NamespaceIndex:
             elif self.state[page] == COMMITTED:
                 self.lru.release(page)  # in use until now: the most recently used
 
+    def unpin_many(self, pages: list[int], counts: list[int]) -> None:
+        """``unpin`` each of ``pages`` (distinct) ``counts`` times: vectorised, for a session
+        ending with millions of pins (a ``bye`` of 4M pins takes milliseconds, not seconds)."""
+        if len(pages) < 1024:
+            for page, count in zip(pages, counts):
+                for _ in range(count):
+                    self.unpin(page)
+            return
+        p = np.asarray(pages, dtype=np.int64)
+        c = np.asarray(counts, dtype=np.uint32)
+        pins = np.frombuffer(self.pins, dtype=np.uint32)
+        assert (pins[p] >= c).all(), "unpinning pages that are not pinned that often"
+        pins[p] -= c
+        zero = p[pins[p] == 0]
+        self.num_pinned_pages -= len(zero)
+        states = np.frombuffer(self.state, dtype=np.uint8)
+        now = states[zero]
+        doomed = zero[now == DOOMED]
+        states[doomed] = FREE
+        self.free.frombytes(doomed.astype(np.int32).tobytes())
+        self.lru.release_many(zero[now == COMMITTED])
     def hold_committed(self, key: bytes, page: int) -> int | None:
         """Pin ``page`` for the daemon's own read (the cluster tier copying it out).
 

@@ -23,12 +23,14 @@ import zmq.asyncio
 from hisparse import protocol
 from hisparse.daemon import config as config_mod
 from hisparse.daemon import notify, trust
+from hisparse.daemon.access import AccessControl, give_to_group
 from hisparse.daemon.handlers import DaemonContext
 from hisparse.daemon.namespaces import Registry
 from hisparse.daemon.server import Server, endpoint_for
 from hisparse.daemon.sessions import SessionTable
 from hisparse.errors import HisparseError
 from hisparse.layout import format_size
+from hisparse.paths import access_key_path
 from hisparse.shm.fence import FENCE_DIR_MODE, fence_dir_for
 
 log = logging.getLogger("hisparse.daemon")
@@ -175,6 +177,8 @@ def _cluster_tier(cfg: config_mod.ClusterConfig):
 
 
 def run(cfg: config_mod.Config) -> int:
+    # First the socket's directory: meta/, fences/ and the token go beside it.
+    trust.private_dir(os.path.dirname(cfg.socket), "socket directory", allow_root_owner=True)
     lock_fd = _lock_state_dir(cfg)
     os.makedirs(cfg.shm_dir, exist_ok=True)
     trust.shared_dir(cfg.shm_dir, "shm_dir")
@@ -182,6 +186,11 @@ def run(cfg: config_mod.Config) -> int:
     registry.adopt_all()
     _warn_free_shm(cfg, registry)
     _prepare_socket(cfg.socket)
+    access = AccessControl(cfg)
+    access.prepare()
+    registry.gid_for = access.gid_for
+    for name, ns in registry.namespaces.items():  # adopted: the config may have changed the group
+        give_to_group(ns.region_path, access.gid_for(name))
     fence_dir = fence_dir_for(cfg.socket)
     os.makedirs(fence_dir, mode=FENCE_DIR_MODE, exist_ok=True)
     trust.private_dir(fence_dir, "fence directory (fences/ beside the socket)", create=False)
@@ -192,7 +201,7 @@ def run(cfg: config_mod.Config) -> int:
     if adopted or removed:
         log.info("fences of the earlier run: %d still held (their pages stay fenced), %d released",
                  adopted, removed)
-    ctx = DaemonContext(cfg, registry, sessions, admin_token="", fence_dir=fence_dir)
+    ctx = DaemonContext(cfg, registry, sessions, admin_token="", fence_dir=fence_dir, access=access)
     if cfg.cluster.enabled:
         ctx.cluster = _cluster_tier(cfg.cluster)
     endpoint = endpoint_for(cfg.socket)
@@ -220,6 +229,8 @@ def run(cfg: config_mod.Config) -> int:
         server.close()
         for path in (cfg.socket, cfg.token_path):
             trust.unlink_own(path)
+        for name in access.keys:
+            trust.unlink_own(access_key_path(cfg.socket, name))
         os.close(lock_fd)
         log.info("stopped (%s): %d namespaces flushed", reason, len(registry.namespaces))
     return 0

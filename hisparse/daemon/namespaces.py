@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hisparse.daemon import trust
+from hisparse.daemon.access import give_to_group
 from hisparse.daemon.config import Config
 from hisparse.daemon.index import NamespaceIndex
 from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch
 from hisparse.layout import KVLayout, format_size
+from hisparse.paths import namespace_tag
 from hisparse.shm.region import RegionGeometry, create_file, file_size_for
 from hisparse.shm.table import MetaTable, TableHeader, table_size
 
@@ -42,10 +44,6 @@ TABLE_SUFFIX = ".meta"
 # key dict entry, 25 B of arrays (page key, state, pins, LRU stamp, free
 # stack); rounded up for 64-byte keys.
 INDEX_BYTES_PER_PAGE = 208
-
-
-def namespace_tag(namespace: str) -> str:
-    return hashlib.sha256(namespace.encode()).hexdigest()[:20]
 
 
 def namespace_cost_bytes(shm_dir: str, geometry: RegionGeometry) -> int:
@@ -101,6 +99,8 @@ class Registry:
         self.namespaces: dict[str, Namespace] = {}
         self.creating: dict[str, _Creation] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # The group a namespace's region file is given (access.AccessControl.gid_for).
+        self.gid_for: Callable[[str], int | None] = lambda namespace: None
 
     @property
     def allocated_bytes(self) -> int:
@@ -164,7 +164,10 @@ class Registry:
             if work.exception() is not None:
                 future.set_exception(work.exception())
                 return
-            future.set_result(self._register(name, layout, work.result(), cost))
+            try:
+                future.set_result(self._register(name, layout, work.result(), cost))
+            except Exception as exc:  # every attacher gets an answer, whatever happened
+                future.set_exception(exc)
 
         work.add_done_callback(done)
         return future
@@ -199,7 +202,7 @@ class Registry:
             raise CapacityError(f"max_namespaces ({cfg.max_namespaces}) reached: drop one "
                                 "(hisparsectl drop NAME) or raise max_namespaces")
         configured = cfg.namespaces.get(name)
-        if configured is not None:
+        if configured is not None and configured.capacity_bytes is not None:
             capacity = configured.capacity_bytes
             if requested_bytes is not None and requested_bytes != capacity:
                 warnings.append(f"namespace {name!r} is sized {format_size(capacity)} by the daemon's "
@@ -230,7 +233,11 @@ class Registry:
         if os.path.lexists(table_path) and not trust.unlink_own(table_path):
             raise InvalidArgument(f"{table_path} is in the way and is not hisparsed's: remove it")
         try:
-            create_file(region_path, geometry.size_bytes)
+            gid = self.gid_for(name)
+            # A restricted namespace's region is private until it is its group's:
+            # no one of the daemon's group may open it in between and keep the fd.
+            create_file(region_path, geometry.size_bytes, mode=0o600 if gid is not None else 0o660)
+            give_to_group(region_path, gid)
         except Exception as exc:
             log.error("region of namespace %r (%s) not allocated in %s: %s", name,
                       format_size(geometry.size_bytes), self.config.shm_dir, exc)

@@ -293,6 +293,12 @@ class Server:
             log.error("SIGHUP: config not reloaded: %s", exc)
             return
         self.ctx.config = cfg
+        if cfg.lease_ttl_s < self.ctx.sessions.lease_ttl_s:
+            # A shorter lease must not expire sessions that beat at the old pace:
+            # each keeps one old lease from now to learn the new one from a heartbeat.
+            grace_until = self.ctx.sessions.now() + self.ctx.sessions.lease_ttl_s - cfg.lease_ttl_s
+            for session in self.ctx.sessions.sessions.values():
+                session.last_seen_s = max(session.last_seen_s, grace_until)
         self.ctx.sessions.lease_ttl_s = cfg.lease_ttl_s
         logging.getLogger("hisparse").setLevel(cfg.log_level)
         log.info("SIGHUP: reloaded lease_ttl=%ss log_level=%s", cfg.lease_ttl_s, cfg.log_level)

@@ -96,11 +96,8 @@ class Zombie:
         index = self.namespace.index
         for page in self.fenced_pages:
             index.release_fenced(page)
-        dropped = 0
-        for page, count in self.pins.items():
-            for _ in range(count):
-                index.unpin(page)
-            dropped += count
+        index.unpin_many(list(self.pins), list(self.pins.values()))
+        dropped = sum(self.pins.values())
         self.fence.close(unlink=True)
         return len(self.fenced_pages), dropped
 

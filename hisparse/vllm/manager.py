@@ -56,14 +56,15 @@ from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired
 from hisparse.protocol import SLOT_BUSY
 from hisparse.vllm.cluster import ClusterPromotions
 from hisparse.vllm.config import AdapterConfig, check_key
-from hisparse.vllm.holds import Holds
+from hisparse.vllm.events import TierEvents
+from hisparse.vllm.holds import Holds, Release
+from hisparse.vllm.metrics import HiSparseMetrics, to_connector_stats
 from hisparse.vllm.mirror import Change, KeyMirror
-from hisparse.vllm.rpc import NamespaceOps, Session
+from hisparse.vllm.rpc import NamespaceOps
 from hisparse.vllm.syncer import Job, Syncer
+from hisparse.vllm.writes import Writes
 
 log = logging.getLogger(__name__)
-
-BUSY_RETRY_S = 0.5  # how long a key another session is writing answers RETRY
 
 
 class HiSparseLoadStoreSpec(BlockIDsLoadStoreSpec):
@@ -80,24 +81,6 @@ class HiSparseLoadStoreSpec(BlockIDsLoadStoreSpec):
     @property
     def page_ids(self) -> Any:
         return self.block_ids
-
-
-class HiSparseMetrics:
-    USAGE_PERC = "vllm:kv_offload_hisparse_usage_perc"
-    LOOKUP_HITS = "vllm:kv_offload_hisparse_lookup_hits"
-    LOOKUP_MISSES = "vllm:kv_offload_hisparse_lookup_misses"
-    PIN_FAILURES = "vllm:kv_offload_hisparse_pin_failures"
-    ALLOCATION_FAILURES = "vllm:kv_offload_hisparse_allocation_failures"
-    EVICTED_KEYS = "vllm:kv_offload_hisparse_evicted_keys"
-    COUNTERS = ("LOOKUP_HITS", "LOOKUP_MISSES", "PIN_FAILURES", "ALLOCATION_FAILURES", "EVICTED_KEYS")
-
-
-@dataclass
-class _Reservation:
-    page: int
-    session: Session
-    committing: bool = False
-    fenced: bool = True  # holds a reference on the session's fence until the worker is done
 
 
 @dataclass
@@ -119,13 +102,12 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._lock = threading.Lock()
         self._mirror = KeyMirror(ops, max_age_s=config.mirror_refresh_s, clock=clock)
         self._holds = Holds(clock)
-        self._writing: dict[bytes, _Reservation] = {}
-        self._busy_until: dict[bytes, float] = {}
+        self._writing = Writes(clock)
         self._loads: dict[str, list[_Load]] = {}  # req_id -> loads in flight
         self._reset_jobs: list[Job] = []
+        self._reset_releases: list[Release] = []
         self._reset_fences: list[Any] = []  # released once the flushed jobs are done
-        self._events: list[OffloadingEvent] | None = [] if enable_events else None
-        self._announced: set[bytes] = set()
+        self._events = TierEvents(enable_events, self.medium)
         self._counts = dict.fromkeys(HiSparseMetrics.COUNTERS, 0)
         self._key_checked = False
         self._cluster = ClusterPromotions(ops.client, clock)
@@ -158,11 +140,8 @@ class HiSparseOffloadingManager(OffloadingManager):
             return LookupResult.RETRY
         if key in self._writing:
             return LookupResult.HIT_PENDING
-        until = self._busy_until.get(key)
-        if until is not None:
-            if self._clock() < until:
-                return LookupResult.RETRY
-            del self._busy_until[key]
+        if self._writing.busy(key):
+            return LookupResult.RETRY
         result = self._cluster.miss(key)  # RETRY while the daemon promotes it from the cluster
         if result is LookupResult.MISS:
             self._counts["LOOKUP_MISSES"] += 1
@@ -274,27 +253,16 @@ class HiSparseOffloadingManager(OffloadingManager):
             return None
         to_store: list[OffloadKey] = []
         pages: list[int] = []
-        now = self._clock()
         for key, slot in zip(offer, slots):
             if slot >= 0:
                 to_store.append(key)
                 pages.append(slot)
             elif slot == SLOT_BUSY:
-                self._busy_until[key] = now + BUSY_RETRY_S
-        if to_store:
-            acquired = 0
-            try:
-                for _ in to_store:  # one reference per page: released as each one completes
-                    session.fence.acquire()
-                    acquired += 1
-            except LeaseExpired:  # the session was replaced under us: these pages are not ours
-                for _ in range(acquired):
-                    session.fence.release()
-                self._syncer.submit(Job("abort", session, to_store, []))
-                self._counts["ALLOCATION_FAILURES"] += 1
-                return None
-            for key, page in zip(to_store, pages):
-                self._writing[key] = _Reservation(page, session)
+                self._writing.mark_busy(key)
+        if to_store and not self._writing.add(to_store, pages, session):
+            self._syncer.submit(Job("abort", session, to_store, []))
+            self._counts["ALLOCATION_FAILURES"] += 1
+            return None
         evicted = [OffloadKey(k) for k in evicted_raw]
         self._evicted_now(evicted)
         if not to_store and len(slots) < len(offer):
@@ -309,50 +277,33 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._counts["EVICTED_KEYS"] += len(evicted)
         for key in evicted:
             self._mirror.note_evicted(key)
-        gone = [k for k in evicted if k in self._announced]
-        if gone:  # the refresh that brings the same evictions skips them
-            self._announced.difference_update(gone)
-            if self._events is not None:
-                self._events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True))
+        self._events.removed(evicted)  # the refresh that brings the same evictions skips them
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
-        for session, ks in self._writing_by_session(dict.fromkeys(keys)):
-            self._unfence(ks)  # the worker is done with these pages
+        for session, ks in self._writing.by_session(dict.fromkeys(keys)):
+            self._writing.worker_done(ks, success)
             if success:
-                for key in ks:
-                    self._writing[key].committing = True
                 self._syncer.submit(Job("commit", session, ks, [], req_context))
             else:
-                for key in ks:
-                    del self._writing[key]
                 self._syncer.submit(Job("abort", session, ks, []))
-                if self._events is not None:
-                    self._events.append(OffloadingEvent(keys=list(ks), medium=self.medium, removed=True,
-                                                        metadata_only=True))
+                self._events.aborted(ks)
 
     # -- called by the syncer, under the lock --
 
     def _on_published(self, keys: list[bytes], job: Job) -> None:
-        for key in job.keys:
-            held = self._writing.pop(key, None)
-            if held is not None and key in keys:
-                self._mirror.note_commit(key, held.page)
-        if keys and self._events is not None:
-            self._announced.update(keys)
-            self._events.append(OffloadingEvent(keys=list(keys), medium=self.medium, removed=False,
-                                                removal_expected=True, req_context=job.context))
+        for key, page in self._writing.committed(job.keys, keys):
+            self._mirror.note_commit(key, page)
+        self._events.stored(keys, job.context)
 
     def _on_changes(self, changes: list[Change]) -> None:
         removed = []
         for change in changes:
             if not change.evicted:
-                self._busy_until.pop(change.key, None)
-            elif change.key in self._announced and change.key not in self._mirror.pages:
-                self._announced.discard(change.key)
+                self._writing.not_busy(change.key)
+            elif change.key not in self._mirror.pages:
                 removed.append(change.key)
-        if removed and self._events is not None:
-            self._events.append(OffloadingEvent(keys=removed, medium=self.medium, removed=True))
+        self._events.removed(removed)
 
     def _on_lost(self, keys: list[bytes]) -> None:
         # A restarted daemon (or an expired lease) dropped these pins: the next
@@ -384,31 +335,22 @@ class HiSparseOffloadingManager(OffloadingManager):
                         "to drop its pages", self._ops.client.namespace, self._ops.client.namespace)
         # vLLM never completes the jobs in flight now; their copies may still run,
         # so their holds go at on_reset_flushed.
-        releases = self._holds.clear()
-        by_session: dict[int, Job] = {}
-        for r in releases:
-            job = by_session.setdefault(id(r.session), Job("unpin", r.session, [], []))
-            job.keys.append(r.key)
-            job.pages.append(r.page)
-        self._reset_jobs.extend(by_session.values())
-        self._reset_jobs.extend(Job("abort", s, ks, []) for s, ks in self._writing_by_session(
-            [k for k, r in self._writing.items() if not r.committing]))
+        self._reset_releases.extend(self._holds.clear())
+        aborts, fences = self._writing.reset()
+        self._reset_jobs.extend(Job("abort", s, ks, []) for s, ks in aborts)
+        self._reset_fences.extend(fences)
         self._reset_fences.extend(load.fence for loads in self._loads.values() for load in loads
                                   if load.fence is not None)
-        self._reset_fences.extend(r.session.fence for r in self._writing.values()
-                                  if r.fenced and not r.committing)
         self._loads.clear()
-        self._writing = {k: r for k, r in self._writing.items() if r.committing}
-        self._busy_until.clear()
-        self._announced.clear()
-        if self._events is not None:
-            self._events.clear()
+        self._events.clear()
         self._mirror.clear()
 
     def on_reset_flushed(self) -> None:
         fences, self._reset_fences = self._reset_fences, []
         for fence in fences:
             fence.release()
+        releases, self._reset_releases = self._reset_releases, []
+        self._syncer.release(releases)
         jobs, self._reset_jobs = self._reset_jobs, []
         for job in jobs:
             self._syncer.submit(job)
@@ -416,24 +358,10 @@ class HiSparseOffloadingManager(OffloadingManager):
     # -- events, stats, shutdown --
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if self._events is None:
-            return
-        events, self._events = self._events, []
-        yield from events
+        return self._events.take()
 
     def get_stats(self) -> Any:
-        try:
-            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-                OffloadingConnectorStats,
-            )
-        except ImportError:  # a vLLM installed without its dependencies has no metrics stack
-            return None
-        stats = OffloadingConnectorStats()
-        snapshot = self.stats_snapshot(reset=True)
-        stats.set_gauge(HiSparseMetrics.USAGE_PERC, snapshot["usage_perc"])
-        for name in HiSparseMetrics.COUNTERS:
-            stats.increase_counter(getattr(HiSparseMetrics, name), snapshot[name.lower()])
-        return stats
+        return to_connector_stats(self.stats_snapshot(reset=True))
 
     def stats_snapshot(self, *, reset: bool = False) -> dict[str, Any]:
         """Counters since the last reset, and the namespace's fill as this engine's mirror sees it."""
@@ -457,22 +385,6 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._ops.client.close()
 
     # -- internals --
-
-    def _writing_by_session(self, keys: Iterable[bytes]) -> list[tuple[Session, list[bytes]]]:
-        """Our reservations among ``keys`` not yet being committed, by the session that holds them."""
-        groups: dict[int, tuple[Session, list[bytes]]] = {}
-        for key in keys:
-            held = self._writing.get(key)
-            if held is not None and not held.committing:
-                groups.setdefault(id(held.session), (held.session, []))[1].append(key)
-        return list(groups.values())
-
-    def _unfence(self, keys: Iterable[bytes]) -> None:
-        for key in keys:
-            held = self._writing.get(key)
-            if held is not None and held.fenced:
-                held.fenced = False
-                held.session.fence.release()
 
     def _check_key(self, key: bytes) -> None:
         check_key(key, self._config)

@@ -25,8 +25,6 @@ from typing import Any
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     ConfigInfo,
-    OffloadingCounterMetadata,
-    OffloadingGaugeMetadata,
     OffloadingManager,
     OffloadingMetricMetadata,
     OffloadingSpec,
@@ -37,7 +35,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from hisparse.errors import DaemonUnavailable, InvalidArgument
 from hisparse.vllm.config import AdapterConfig
 from hisparse.vllm.engine import check_extra_config, find_vllm_config, prepare_engine
-from hisparse.vllm.manager import HiSparseMetrics, HiSparseOffloadingManager
+from hisparse.vllm.manager import HiSparseOffloadingManager
+from hisparse.vllm.metrics import metric_definitions
 from hisparse.vllm.namespace import derive_layout, derive_namespace, num_copies
 from hisparse.vllm.rpc import NamespaceOps
 from hisparse.vllm.transfer import CopyEngine, CpuCopyEngine, CudaCopyEngine
@@ -63,22 +62,7 @@ class HiSparseInfo(ConfigInfo):
 class HiSparseOffloadingSpec(OffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        return {
-            HiSparseMetrics.USAGE_PERC: OffloadingGaugeMetadata(
-                documentation="Fraction of the hisparse namespace's pages holding committed KV, "
-                              "as this engine's key mirror sees it (all engines of the namespace)."),
-            HiSparseMetrics.LOOKUP_HITS: OffloadingCounterMetadata(
-                documentation="Offload keys found committed in hisparsed."),
-            HiSparseMetrics.LOOKUP_MISSES: OffloadingCounterMetadata(
-                documentation="Offload keys not found in hisparsed."),
-            HiSparseMetrics.PIN_FAILURES: OffloadingCounterMetadata(
-                documentation="Keys vLLM loaded without holding them (a pin lost with a hisparsed "
-                              "restart); their load failed and vLLM recomputed them."),
-            HiSparseMetrics.ALLOCATION_FAILURES: OffloadingCounterMetadata(
-                documentation="Stores refused: no evictable page left, or hisparsed unreachable."),
-            HiSparseMetrics.EVICTED_KEYS: OffloadingCounterMetadata(
-                documentation="Keys hisparsed evicted to make room for this engine's stores."),
-        }
+        return metric_definitions()
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:

@@ -129,6 +129,8 @@ class Syncer:
             try:
                 self.round()
             except HisparseError as exc:
+                if self._stop.is_set():
+                    return  # the client closed under a round: shutting down
                 self.unreachable("sync", exc)
                 if not self._stop.wait(self._interval_s):  # not a busy loop while it is away
                     continue

@@ -17,6 +17,12 @@ one group of equal layers and one copy, ``bt*rb == bpc*s`` and ref ``d`` is
 exactly region layer ``d``: vLLM's layer ``l`` lives in region layer ``l``,
 one vLLM block per ``s`` bytes. Engines that share a namespace have the
 same refs, so they agree on every offset.
+
+Fencing: each job's spec names the fence of the scheduler's session that
+reserved or pinned its pages (``HiSparseLoadStoreSpec.fence_path``); the copy
+engine copies only under ``hisparse.client.fence.hold`` on it, and a lost hold
+fails the job (``hisparse.vllm.transfer``). A load spec with a page ``-1``
+(a key the scheduler does not hold) fails its job without copying.
 """
 
 from __future__ import annotations

@@ -73,6 +73,14 @@ def test_reload_takes_only_live_keys(tmp_path):
     assert new.capacity_bytes == 1 << 30, "capacity cannot change live"
 
 
+def test_the_example_documents_every_key():
+    import re
+
+    text = open(EXAMPLE).read()
+    for key in [*config._KEYS, "group"]:
+        assert re.search(rf"^(# )?{key} = ", text, re.M), f"{EXAMPLE} does not document {key}"
+    cfg = config.build(EXAMPLE, env={})
+    assert cfg.session_pin_share == 0.5 and cfg.session_reserve_share == 0.5
 def test_cluster_section_is_off_by_default_and_parsed_with_env_overrides(tmp_path):
     assert not config.build(env={}).cluster.enabled
     f = tmp_path / "c.toml"

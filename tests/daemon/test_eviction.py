@@ -79,3 +79,34 @@ def test_matches_reference_lru(min_batch, ops):
                     del ref[want]
     finally:
         eviction.MIN_BATCH = saved
+
+
+def test_evictable_count_follows_every_operation_and_short_cuts_a_full_pinned_region():
+    import random
+
+    import numpy as np
+
+    from hisparse.daemon.eviction import HELD, StampLRU
+
+    rng = random.Random(11)
+    lru = StampLRU(2048)
+    for _ in range(20_000):
+        page = rng.randrange(2048)
+        op = rng.randrange(6)
+        if op == 0:
+            lru.release(page)
+        elif op == 1:
+            lru.hold(page)
+        elif op == 2:
+            lru.touch(page)
+        elif op == 3:
+            lru.release_many(np.array(sorted(set(rng.sample(range(2048), 8)))))
+        elif op == 4:
+            lru.hold_many(np.array(sorted(set(rng.sample(range(2048), 8)))))
+        else:
+            lru.pop_victim()
+        assert lru.evictable == int(np.count_nonzero(lru._view != HELD))
+    # nothing evictable: answered without scanning the region
+    lru.hold_many(np.arange(2048))
+    lru._refill = None  # a scan would now fail loudly
+    assert lru.evictable == 0 and lru.pop_victim() is None

@@ -152,16 +152,21 @@ def test_client_follows_the_lease_the_daemon_grants(daemon_factory, tmp_path):
     from hisparse import client
 
     cfg = tmp_path / "h.toml"
-    cfg.write_text("lease_ttl = 6\n")
+    cfg.write_text("lease_ttl = 3\n")
     d = daemon_factory(extra=("--config", str(cfg)))
     with client.attach("lease", LAYOUT, socket=d.socket, capacity=192 * 8) as cl:
-        assert cl.session.lease_ttl_s == 6.0
-        cfg.write_text("lease_ttl = 1.5\n")
+        assert cl.session.lease_ttl_s == 3.0
+        cfg.write_text("lease_ttl = 1.2\n")
         d.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 15
-        while cl.session.lease_ttl_s != 1.5:
+        while cl.session.lease_ttl_s != 1.2:
             assert time.monotonic() < deadline, "the client never adopted the new lease"
             time.sleep(0.05)
+        # learned from a heartbeat reply, not by losing the session to the shorter lease
+        assert cl.counters["reconnects"] == 0
+        session = cl.session
+        time.sleep(2 * 1.2)  # two new leases: the heartbeat keeps the session at the new pace
+        assert cl.session is session and cl.counters["reconnects"] == 0
 
 
 def test_every_client_number_is_range_checked(hisparsed, raw):
@@ -190,3 +195,19 @@ def test_every_client_number_is_range_checked(hisparsed, raw):
 def test_start_warns_when_capacity_exceeds_free_shared_memory(daemon_factory):
     d = daemon_factory(capacity="1PiB")
     assert "has only" in d.log() and "lower --capacity" in d.log()
+
+
+def test_a_region_that_cannot_be_allocated_is_logged_refused_and_uncharged(daemon_factory, raw):
+    import resource
+
+    d = daemon_factory()
+    # the daemon may write no file over 1 MiB: allocating a 4 MiB region fails (EFBIG)
+    resource.prlimit(d.pid, resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    c = raw(d, None)
+    reply = c.request(Op.HELLO, namespace="big", layout=LAYOUT, capacity_bytes=4 << 20)
+    assert reply.error_code == ErrorCode.CAPACITY.value and "could not be created" in reply.error_message
+    assert "region of namespace 'big'" in d.log() and "not allocated" in d.log()
+    c.hello()
+    assert c.call(Op.STATS)["daemon"]["allocated_bytes"] == 0, "the failed namespace is not charged"
+    assert raw(d, "small", 192 * 8).hello_reply["region"]["num_pages"] == 8
+    assert d.proc.poll() is None

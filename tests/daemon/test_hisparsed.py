@@ -304,7 +304,9 @@ def hisparsectl(d, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=30)
 
 
-def test_hisparsectl_ping_stats_clear(hisparsed, clients):
+def test_hisparsectl_ping_stats_clear(daemon_factory, clients):
+    # each hisparsectl run takes about a second here: a lease longer than the test
+    hisparsed = daemon_factory(lease_ttl=30)
     c = clients(hisparsed, "glm/fp8")
     k = keys_for("ctl", 5)
     c.store(k, [page_bytes("c", i) for i in range(5)])

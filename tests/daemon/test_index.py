@@ -147,6 +147,40 @@ def test_committed_page_scan_pages_through_keys(make_index):
     assert cursor == -1 and {key for key, _ in got + rest} == set(k)
 
 
+def test_unpin_many_matches_unpin_one_by_one(make_index):
+    import random
+
+    from hisparse.daemon.index import DOOMED
+
+    rng = random.Random(5)
+    one, many = make_index(4096, "one.meta"), make_index(4096, "many.meta")
+    keys = [f"k{i}".encode() for i in range(3000)]
+    for ix in (one, many):
+        for start in range(0, 3000, 500):
+            chunk = tuple(keys[start:start + 500])
+            slots, _ = ix.reserve(chunk, {})
+            for key, page in zip(chunk, slots):
+                ix.commit(key, page)
+    counts = {}
+    for _ in range(2500):
+        key = keys[rng.randrange(3000)]
+        for ix in (one, many):
+            (page,) = ix.pin((key,))
+        counts[page] = counts.get(page, 0) + 1
+    for ix in (one, many):
+        ix.clear()  # pinned pages become DOOMED, freed at their last unpin
+        for page in list(counts)[:100]:
+            ix.unpin(page)
+    rest = {p: c - (1 if i < 100 else 0) for i, (p, c) in enumerate(counts.items())}
+    rest = {p: c for p, c in rest.items() if c}
+    for page, count in rest.items():
+        for _ in range(count):
+            one.unpin(page)
+    assert len(rest) >= 1024, "exercise the vectorised path"
+    many.unpin_many(list(rest), list(rest.values()))
+    assert bytes(one.state) == bytes(many.state) and DOOMED not in set(many.state)
+    assert list(one.pins) == list(many.pins) and one.num_pinned_pages == many.num_pinned_pages == 0
+    assert sorted(one.free) == sorted(many.free) and one.lru.evictable == many.lru.evictable
 def test_a_cluster_read_hold_keeps_the_page_and_its_place_in_the_lru(make_index):
     index = make_index(num_pages=4)
     k = keys_for("hold", 6)

@@ -196,3 +196,22 @@ def test_a_planted_symlink_table_is_not_followed(daemon_factory, tmp_path):
         assert reply.error_code == ErrorCode.INVALID_ARGUMENT.value and "in the way" in reply.error_message
     finally:
         c.close()
+
+
+@as_root
+def test_clients_refuse_a_default_socket_directory_of_another_user(monkeypatch, tmp_path):
+    from hisparse import PermissionDenied
+    from hisparse.paths import SYSTEM_SOCKET, default_socket_path
+
+    if os.path.exists(SYSTEM_SOCKET):
+        pytest.skip(f"{SYSTEM_SOCKET} exists here: the default is the system daemon")
+    monkeypatch.delenv("HISPARSE_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert default_socket_path() == str(tmp_path / "hisparsed" / "hisparsed.sock")
+    (tmp_path / "hisparsed").mkdir()
+    os.chown(tmp_path / "hisparsed", OTHER_UID, OTHER_UID)  # planted before the daemon ever ran
+    with pytest.raises(PermissionDenied, match="owned by uid 4242"):
+        default_socket_path()
+    # and the daemon refuses to start there
+    r = start(["--shm-dir", str(tmp_path)], timeout_s=30)
+    assert r.returncode == 1 and "owned by uid 4242" in r.stderr

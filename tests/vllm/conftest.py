@@ -238,6 +238,13 @@ def run_jobs(worker: Any, job_ids: set[int]) -> dict[int, bool]:
 
 
 @pytest.fixture
+def hisparsed(daemon_factory: Any) -> Any:
+    """The root fixture's daemon with a 10 s lease: on a loaded CI machine a test
+    process can stall past a 2 s lease, and nothing here tests lease expiry."""
+    return daemon_factory(lease_ttl=10)
+
+
+@pytest.fixture
 def engines(hisparsed: Any) -> Iterator[Any]:
     """``engines(**offloading_config overrides)`` -> Engine on the test's daemon."""
     made: list[Engine] = []

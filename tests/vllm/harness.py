@@ -123,6 +123,7 @@ class VllmEngine:
         self.computed: Counter[str] = Counter()  # tokens the forward pass computed, per request
         self.mismatches: list[tuple[str, int]] = []  # (request, position) holding wrong KV
         self.finished: dict[str, FinishReason] = {}
+        self.hits_by_source: Counter[str] = Counter()  # the scheduler's external-hit metrics
         self.schedule_s: list[float] = []
         self.kv_events: list[Any] = []  # what the scheduler published (GPU and offloaded tiers)
         publisher = self.scheduler.kv_event_publisher
@@ -182,6 +183,11 @@ class VllmEngine:
         runner_output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[sampled[r] for r in req_ids],
                                           kv_connector_output=connector_output)
         for outputs in self.scheduler.update_from_output(out, runner_output).values():
+            stats = outputs.scheduler_stats
+            connector_stats = stats.connector_prefix_cache_stats if stats is not None else None
+            if connector_stats is not None:
+                for source, tokens in connector_stats.hits_by_source.items():
+                    self.hits_by_source[str(source)] += tokens
             for o in outputs.outputs:
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = o.finish_reason

@@ -91,6 +91,8 @@ def test_two_engines_in_two_processes_share_a_prefix(vllm_engines):
     assert b.computed["b"] == 120 - 96  # six blocks loaded, written by the other process
     assert b.mismatches == []
     assert b.finished["b"] is LENGTH
+    # issue 10, item 5: vLLM's metrics count the hit as coming from a host tier
+    assert b.hits_by_source == {"host": 96}
 
 
 def test_a_hit_is_held_while_another_engine_fills_the_region(vllm_engines):
