@@ -9,11 +9,13 @@ turns into ``INTERNAL`` and a logged traceback.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +61,7 @@ class DaemonContext:
     started_s: float = field(default_factory=time.monotonic)
     request_shutdown: Callable[[str], None] = lambda reason: None
     evictions_since_log: dict[str, int] = field(default_factory=dict)
+    cluster: Any = None  # hisparse.daemon.cluster.ClusterTier when [cluster] is on
     requests_total: int = 0
     errors_total: int = 0
     transport_stats: Callable[[], dict[str, int]] = lambda: {}
@@ -149,8 +152,32 @@ def handle_ping(ctx: DaemonContext, _: None, req: Request) -> dict[str, Any]:
 
 # -- data ops --
 
-def handle_lookup(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    return {"count": _ns(session).index.lookup(req.keys)}
+def handle_lookup(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any] | Deferred:
+    ns = _ns(session)
+    count = ns.index.lookup(req.keys)
+    if not req.remote:
+        return {"count": count}
+    if ctx.cluster is None or count == len(req.keys):
+        return {"count": count, "remote": 0}
+    remote = ctx.cluster.remote_prefix(ns, req.keys[count:], req.wait)
+    if isinstance(remote, Future):  # the cluster worker answers (within cluster.timeout)
+        return Deferred(asyncio.wrap_future(remote), lambda n: {"count": count, "remote": n},
+                        _cluster_errors)
+    return {"count": count, "remote": remote}
+
+
+def handle_prefetch(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any] | Deferred:
+    if ctx.cluster is None:
+        raise WireError(ErrorCode.CLUSTER_UNAVAILABLE,
+                        "this hisparsed has no cluster tier: set [cluster] backend in its config")
+    body = ctx.cluster.prefetch(_ns(session), req.keys, req.wait)
+    if isinstance(body, Future):
+        return Deferred(asyncio.wrap_future(body), lambda done: done, _cluster_errors)
+    return body
+
+
+def _cluster_errors(exc: BaseException) -> WireError | None:
+    return exc if isinstance(exc, WireError) else None
 
 
 def _require_fence(session: Session, what: str) -> None:
@@ -173,6 +200,8 @@ def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> di
     session.fence.add_reserved([s for s in slots if s >= 0])  # type: ignore[union-attr]
     if evicted:
         ctx.evictions_since_log[ns.name] = ctx.evictions_since_log.get(ns.name, 0) + len(evicted)
+    if ctx.cluster is not None:
+        ctx.cluster.reserved(ns)
     return {"slots": slots, "evicted": evicted}
 
 
@@ -201,7 +230,17 @@ def _settle(session: Session, req: KeysRequest, what: str, apply) -> int:
 
 
 def handle_commit(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    return {"committed": _settle(session, req, "commit", _ns(session).index.commit)}
+    ns = _ns(session)
+    if ctx.cluster is None:
+        return {"committed": _settle(session, req, "commit", ns.index.commit)}
+    done: list[tuple[bytes, int]] = []
+
+    def commit(key: bytes, page: int) -> None:
+        ns.index.commit(key, page)
+        done.append((key, page))
+    committed = _settle(session, req, "commit", commit)
+    ctx.cluster.committed(ns, done)
+    return {"committed": committed}
 
 
 def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
@@ -326,6 +365,7 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
     }
     daemon.update(ctx.registry.stats())
     daemon.update(ctx.transport_stats())
+    daemon["cluster"] = ctx.cluster.stats() if ctx.cluster is not None else {"backend": "none"}
     body: dict[str, Any] = {"daemon": daemon, "namespaces": namespaces}
     if session.namespace is None:  # hisparsectl: who holds what, stalled ones included
         body["sessions"] = [row for row in _session_rows(ctx) if row["namespace"] in namespaces]
@@ -433,5 +473,6 @@ HANDLERS: dict[Op, Handler] = {
     Op.EVICT_SESSION: handle_evict_session,
     Op.DROP: handle_drop,
     Op.PUBLISH: handle_publish,
+    Op.PREFETCH: handle_prefetch,
 }
 assert set(HANDLERS) == set(Op), "every op needs a handler"
