@@ -131,7 +131,10 @@ def test_on_evict_writes_only_the_next_victims_and_gets_them_back(nodes):
         assert 8 <= cluster_stats(ca)["put_pages"] < 32
         ca.store(keys_for("more", 8), pages(8, 30))  # evicts the oldest 8
         local, remote = ca.lookup_remote(old)
-        assert local == 0 and 8 <= remote < 16
+        # the 8 evicted came back; the other 8 old ones are the next victims, so
+        # depending on timing they are up already too (put_pages < 32 above shows
+        # the hot pages were not written)
+        assert local == 0 and 8 <= remote <= 16
         assert ca.prefetch(old[:8])["promoted"] == 8
         out = np.zeros((8, LAYOUT.page_bytes), dtype=np.uint8)
         assert ca.load(old[:8], out) == 8 and np.array_equal(out, data[:8])
