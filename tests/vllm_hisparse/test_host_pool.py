@@ -21,20 +21,6 @@ from tests.vllm_hisparse.engine import SchedulerSide
 PROMPT = list(range(100, 124))  # 24 tokens: 6 blocks; a hit stops at 20 (the last token is recomputed)
 
 
-@pytest.fixture
-def sides(hisparsed):
-    made: list[SchedulerSide] = []
-
-    def make(**kw) -> SchedulerSide:
-        side = SchedulerSide(hisparsed.socket, **kw)
-        made.append(side)
-        return side
-
-    yield make
-    for side in made:
-        side.close()
-
-
 def test_capacity_is_shared_and_held_pages_are_never_taken(sides):
     # 64-page region; each engine keeps a stock of a few blocks (two steps' worth)
     b = sides(num_host_blocks=64, step_blocks=3, name="B")

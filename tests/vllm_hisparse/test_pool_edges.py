@@ -4,23 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm_hisparse.engine import SchedulerSide
 
 PROMPT = list(range(100, 124))
-
-
-@pytest.fixture
-def sides(hisparsed):
-    made: list[SchedulerSide] = []
-
-    def make(**kw) -> SchedulerSide:
-        side = SchedulerSide(hisparsed.socket, **kw)
-        made.append(side)
-        return side
-
-    yield make
-    for side in made:
-        side.close()
 
 
 def test_page_zero_is_the_null_block_and_never_handed_out(sides):
