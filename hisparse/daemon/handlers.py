@@ -299,11 +299,13 @@ def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) ->
     publication. A key someone already committed (or is writing) is not
     published twice: that reservation stays held, its page id is -1 here.
     """
-    index = _ns(session).index
+    ns = _ns(session)
+    index = ns.index
     held = _held(session, req.keys, "publish")
     if len(set(req.as_keys)) != len(req.as_keys):
         raise WireError(ErrorCode.INVALID_ARGUMENT, "publish: an as_key is listed twice (nothing changed)")
     pages: list[int] = []
+    done: list[tuple[bytes, int]] = []
     for key, new_key, page in zip(req.keys, req.as_keys, held):
         if new_key != key and new_key in index.keys:
             pages.append(-1)
@@ -311,6 +313,7 @@ def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) ->
         del session.reservations[key]
         index.rename(key, new_key, page)
         index.commit(new_key, page)
+        done.append((new_key, page))
         if req.pin:
             # Pinned before the reservation's fence record goes: the page stays fenced.
             index.pin((new_key,))
@@ -322,6 +325,8 @@ def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) ->
                 hold.count += 1
         session.fence.clear_reserved([page])  # type: ignore[union-attr]
         pages.append(page)
+    if ctx.cluster is not None and done:
+        ctx.cluster.committed(ns, done)  # published pages go behind to the cluster like any commit
     return {"pages": pages}
 
 

@@ -160,3 +160,29 @@ def test_a_dropped_namespace_made_again_gets_its_pages_back_from_the_cluster(nod
         more = keys_for("after-drop", 4)
         ca.store(more, pages(4, 41))
         wait_for("write-behind into the new region", lambda: cluster_stats(ca)["put_pages"] == 12)
+
+
+def test_pages_published_by_the_hisparse_pool_go_behind_like_commits(nodes):
+    # vLLM HiSparse's host pool reserves under placeholder keys and publishes under the
+    # block hash (the publish op): those pages reach the cluster like any commit
+    from hisparse.protocol import Op
+    from tests.rawclient import RawClient
+
+    a, b = nodes(2)
+    placeholders, hashes, data = keys_for("slot", 6), keys_for("hash", 6), pages(6, 60)
+    raw = RawClient(a.socket)
+    try:
+        raw.hello("m", LAYOUT, 32 << 20)
+        slots = raw.call(Op.RESERVE, keys=placeholders)["slots"]
+        for slot, page in zip(slots, data):
+            raw.write_page(slot, page.tobytes())
+        assert raw.call(Op.PUBLISH, keys=placeholders, as_keys=hashes)["pages"] == slots
+        wait_for("write-behind of published pages",
+                 lambda: raw.call(Op.STATS)["daemon"]["cluster"]["put_pages"] == 6)
+    finally:
+        raw.close()
+    with client.attach("m", LAYOUT, socket=b.socket) as cb:
+        assert cb.lookup_remote(hashes) == (0, 6) and cb.lookup_remote(placeholders) == (0, 0)
+        assert cb.prefetch(hashes)["promoted"] == 6
+        out = np.zeros_like(data)
+        assert cb.load(hashes, out) == 6 and np.array_equal(out, data)
