@@ -11,6 +11,7 @@ from typing import Any
 
 from hisparse.errors import (
     CapacityError,
+    ClusterUnavailable,
     DaemonUnavailable,
     HisparseError,
     InvalidArgument,
@@ -39,6 +40,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CapacityError",
+    "ClusterUnavailable",
     "DaemonUnavailable",
     "HisparseError",
     "InvalidArgument",

@@ -45,6 +45,10 @@ class Timeout(HisparseError):
     """An operation did not complete within its deadline."""
 
 
+class ClusterUnavailable(HisparseError):
+    """The daemon has no cluster tier, or the cluster did not answer in time (issue 15)."""
+
+
 class PermissionDenied(HisparseError):
     """An admin op was sent without the daemon's admin token."""
 
@@ -55,6 +59,7 @@ class MissingExtra(HisparseError, ImportError):
 
 __all__ = [
     "CapacityError",
+    "ClusterUnavailable",
     "DaemonUnavailable",
     "HisparseError",
     "InvalidArgument",

@@ -67,6 +67,8 @@ class Op(str, enum.Enum):
     BYE = "bye"  # close the session now, releasing everything it holds
     DROP = "drop"  # admin: remove a namespace and its region; its memory goes back to the capacity
     EVICT_SESSION = "evict_session"  # admin: end a session (or a fenced one) and free its pages now
+    PUBLISH = "publish"  # commit reservations under new keys (vLLM HiSparse: a block's hash comes late)
+    PREFETCH = "prefetch"  # promote the cluster tier's pages of keys into the namespace
 
 
 # The ``ok`` body of each op's reply. Every field is listed here; the daemon's
@@ -86,7 +88,10 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
                  "the socket; hold flock(LOCK_SH) on it while any process may touch its pages",
     },
     Op.PING: {"version": "str", "protocol": "int", "uptime_s": "float", "pid": "int"},
-    Op.LOOKUP: {"count": "int: leading keys that are committed"},
+    Op.LOOKUP: {"count": "int: leading keys that are committed",
+                "remote": "int, only when the request says remote: true: how many keys after "
+                          "those the cluster tier holds (0 without one); wait: false answers "
+                          "from what the daemon already knows and asks the cluster meanwhile"},
     Op.RESERVE: {"slots": "list[int], one per key processed in order: a page id to write, "
                           "SLOT_COMMITTED or SLOT_BUSY; shorter than keys when the region is full",
                  "evicted": "list[bytes]: keys evicted (least recently used) to make room"},
@@ -110,6 +115,14 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
     Op.DROP: {"freed_bytes": "int: what the namespace took from the capacity",
               "ended_sessions": "int: sessions ended (needs force: true when any were attached)"},
     Op.EVICT_SESSION: {"freed_pages": "int: fenced pages freed", "released_pins": "int"},
+    Op.PUBLISH: {"pages": "list[int], one per key: the page now committed under as_keys[i], or -1 "
+                          "when as_keys[i] was already taken (that reservation stays held under keys[i])"},
+    Op.PREFETCH: {"queued": "int: keys being promoted in the background (wait: false)",
+                  "promoted": "int: pages fetched, verified and committed", "local": "int: "
+                  "already committed here", "missing": "int: not in the cluster",
+                  "refused": "int: values whose header or hash did not match (dropped)",
+                  "busy": "int: being written by a session here",
+                  "missing_keys": "list[bytes]: the keys counted in missing (empty unless waited)"},
 }
 
 SESSIONLESS_OPS = frozenset({Op.HELLO, Op.PING})
@@ -133,6 +146,7 @@ class ErrorCode(str, enum.Enum):
     PERMISSION_DENIED = "PERMISSION_DENIED"  # admin op without the admin token
     SHUTTING_DOWN = "SHUTTING_DOWN"  # the daemon is draining and takes no new work
     QUOTA_EXCEEDED = "QUOTA_EXCEEDED"  # a per-session limit (the message names it) would be passed
+    CLUSTER_UNAVAILABLE = "CLUSTER_UNAVAILABLE"  # no cluster tier, or it did not answer in time
     INTERNAL = "INTERNAL"  # a bug in the daemon; it logged a traceback and serves on
 
 
@@ -151,6 +165,7 @@ _ERROR_CLASSES: dict[ErrorCode, type[errors.HisparseError]] = {
     ErrorCode.PERMISSION_DENIED: errors.PermissionDenied,
     ErrorCode.SHUTTING_DOWN: errors.DaemonUnavailable,
     ErrorCode.QUOTA_EXCEEDED: errors.QuotaExceeded,
+    ErrorCode.CLUSTER_UNAVAILABLE: errors.ClusterUnavailable,
     ErrorCode.INTERNAL: errors.HisparseError,
 }
 
@@ -222,6 +237,10 @@ class KeysRequest(Request):
     # abort only: skip keys this session does not hold instead of refusing
     # (a client whose reserve reply was lost cleans up what it may hold)
     missing_ok: bool = False
+    # lookup only: also count the keys after the local prefix that the cluster holds
+    remote: bool = False
+    # lookup with remote, prefetch: answer once the cluster has (False: at once)
+    wait: bool = True
 
 
 @dataclass(frozen=True)
@@ -229,6 +248,15 @@ class PagesRequest(Request):
     """unpin: page ids as the pin reply gave them (a page pinned twice is listed twice)."""
 
     pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PublishRequest(Request):
+    """publish: reservations held under ``keys`` become committed pages under ``as_keys``."""
+
+    keys: tuple[bytes, ...]
+    as_keys: tuple[bytes, ...]
+    pin: bool  # the session also pins each published page (it is still reading it)
 
 
 @dataclass(frozen=True)
@@ -256,7 +284,7 @@ class AdminRequest(Request):
     force: bool = False  # drop: end the namespace's sessions too
 
 
-_KEY_OPS = frozenset({Op.LOOKUP, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN})
+_KEY_OPS = frozenset({Op.LOOKUP, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN, Op.PREFETCH})
 MAX_PAGE_ID = (1 << 31) - 1
 
 
@@ -290,8 +318,8 @@ def _tname(types: tuple[type, ...]) -> str:
     return " or ".join(t.__name__ for t in types)
 
 
-def _keys(msg: dict[str, Any]) -> tuple[bytes, ...]:
-    raw = _field(msg, _KEYS, (list,))
+def _keys(msg: dict[str, Any], name: str = _KEYS) -> tuple[bytes, ...]:
+    raw = _field(msg, name, (list,))
     if len(raw) > MAX_KEYS_PER_REQUEST:
         raise WireError(ErrorCode.INVALID_ARGUMENT,
                         f"{len(raw)} keys in one request; the limit is {MAX_KEYS_PER_REQUEST}")
@@ -303,10 +331,10 @@ def _keys(msg: dict[str, Any]) -> tuple[bytes, ...]:
         return keys
     for i, key in enumerate(raw):
         if not isinstance(key, bytes):
-            raise WireError(ErrorCode.PROTOCOL_ERROR, f"keys[{i}] must be bytes, not {type(key).__name__}")
+            raise WireError(ErrorCode.PROTOCOL_ERROR, f"{name}[{i}] must be bytes, not {type(key).__name__}")
         if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
             raise WireError(ErrorCode.INVALID_ARGUMENT,
-                            f"keys[{i}] is {len(key)} bytes; keys are {MIN_KEY_BYTES}-{MAX_KEY_BYTES} bytes")
+                            f"{name}[{i}] is {len(key)} bytes; keys are {MIN_KEY_BYTES}-{MAX_KEY_BYTES} bytes")
     return keys
 
 
@@ -405,9 +433,19 @@ def decode_request(frame: bytes) -> Request:
     session = _number(msg, "session")
     if op in _KEY_OPS:
         missing_ok = _field(msg, "missing_ok", (bool,), optional=True) if op is Op.ABORT else None
-        return KeysRequest(op, rid, session, _keys(msg), bool(missing_ok))
+        remote = _field(msg, "remote", (bool,), optional=True) if op is Op.LOOKUP else None
+        wait = _field(msg, "wait", (bool,), optional=True) if op in (Op.LOOKUP, Op.PREFETCH) else None
+        return KeysRequest(op, rid, session, _keys(msg), bool(missing_ok), bool(remote),
+                           wait is not False)
     if op is Op.UNPIN:
         return PagesRequest(op, rid, session, _pages(msg))
+    if op is Op.PUBLISH:
+        keys, as_keys = _keys(msg), _keys(msg, "as_keys")
+        if len(keys) != len(as_keys):
+            raise WireError(ErrorCode.INVALID_ARGUMENT,
+                            f"publish: {len(keys)} keys but {len(as_keys)} as_keys")
+        return PublishRequest(op, rid, session, keys, as_keys,
+                              bool(_field(msg, "pin", (bool,), optional=True)))
     if op is Op.EVENTS:
         return EventsRequest(op, rid, session, _number(msg, "after"), _limit(msg))
     if op is Op.KEYS:
@@ -453,7 +491,7 @@ def encode_request(op: Op, rid: int, **fields: Any) -> bytes:
             continue
         if isinstance(value, KVLayout):
             value = value.to_wire()
-        elif name == _KEYS:
+        elif name in (_KEYS, "as_keys"):
             value = list(value)
         msg[name] = value
     return msgpack.packb(msg, use_bin_type=True)

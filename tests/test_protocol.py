@@ -35,6 +35,9 @@ def test_every_op_round_trips():
     evict = protocol.decode_request(protocol.encode_request(Op.EVICT_SESSION, 1, session=3, token="t",
                                                             target="0123ABCD"))
     assert (evict.token, evict.target) == ("t", "0123abcd")
+    pub = protocol.decode_request(protocol.encode_request(Op.PUBLISH, 4, session=9, keys=keys,
+                                                          as_keys=keys[::-1], pin=True))
+    assert (pub.keys, pub.as_keys, pub.pin) == (tuple(keys), tuple(keys[::-1]), True)
     for op in (Op.HEARTBEAT, Op.STATS, Op.BYE):
         assert protocol.decode_request(protocol.encode_request(op, 2, session=3)).session == 3
     ev = protocol.decode_request(protocol.encode_request(Op.EVENTS, 1, session=3, after=7, limit=10))
@@ -84,6 +87,11 @@ def test_every_op_round_trips():
     (pack(v=V, id=1, op="unpin", session=1, pages=[1 << 40]), ErrorCode.INVALID_ARGUMENT),
     (pack(v=V, id=1, op="unpin", session=1, pages=[True]), ErrorCode.PROTOCOL_ERROR),
     (pack(v=V, id=1, op="evict_session", session=1, token="t", target="xyz"), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=V, id=1, op="publish", session=1, keys=[b"k"], as_keys=[]), ErrorCode.INVALID_ARGUMENT),
+    (pack(v=V, id=1, op="publish", session=1, keys=[b"k"]), ErrorCode.PROTOCOL_ERROR),  # no as_keys
+    (pack(v=V, id=1, op="publish", session=1, keys=[b"k"], as_keys=[b"x" * 65]),
+     ErrorCode.INVALID_ARGUMENT),
+    (pack(v=V, id=1, op="publish", session=1, keys=[b"k"], as_keys=[b"h"], pin=1), ErrorCode.PROTOCOL_ERROR),
     (pack(v=V, id=1, op="evict_session", session=1, target="01234567"), ErrorCode.PERMISSION_DENIED),
 ])
 def test_rejections_have_typed_codes(frame, code):

@@ -250,6 +250,34 @@ class Client:
         self._count(lookups=1, lookup_keys=len(keys), hit_keys=count)
         return count
 
+    def lookup_remote(self, keys: list[bytes], *, wait: bool = True) -> tuple[int, int]:
+        """``(local, remote)``: leading keys committed here, then how many after them the
+        daemon's cluster tier holds (0 without one). ``wait=False`` answers at once from what
+        the daemon already knows and lets it ask the cluster meanwhile. Looks at the first
+        ``MAX_KEYS_PER_REQUEST`` keys (65,536)."""
+        keys = list(keys)[:MAX_KEYS_PER_REQUEST]
+        body = self._call(Op.LOOKUP, keys=keys, remote=True, wait=wait)[0]
+        local = int(body["count"])
+        self._count(lookups=1, lookup_keys=len(keys), hit_keys=local)
+        return local, int(body.get("remote", 0))
+
+    def prefetch(self, keys: list[bytes], *, wait: bool = True) -> dict[str, Any]:
+        """Promote the cluster tier's pages of ``keys`` into the namespace; later loads hit locally.
+
+        Returns the daemon's counts (``promoted``, ``local``, ``missing``, ``refused``, ``busy``;
+        ``queued`` with ``wait=False``) and ``missing_keys``. Raises ``ClusterUnavailable`` when
+        the daemon has no cluster tier or the cluster did not answer within its ``cluster.timeout``.
+        """
+        total: dict[str, Any] = {"missing_keys": []}
+        for chunk in _chunks(list(keys)):
+            body = self._call(Op.PREFETCH, keys=chunk, wait=wait)[0]
+            for name, value in body.items():
+                if isinstance(value, list):
+                    total[name].extend(value)
+                else:
+                    total[name] = total.get(name, 0) + int(value)
+        return total
+
     def store(self, keys: list[bytes], pages: torch.Tensor | np.ndarray) -> int:
         """Store pages for keys not yet committed; returns how many were newly written.
 

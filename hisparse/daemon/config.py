@@ -35,6 +35,41 @@ class NamespaceConfig:
     group: str | None = None  # only members of this group may attach (and map its region)
 
 
+CLUSTER_BACKENDS = ("none", "mooncake")
+CLUSTER_PROTOCOLS = ("tcp", "rdma")
+WRITE_POLICIES = ("write-behind", "on-evict")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """``[cluster]``: the tier below this daemon (docs/cluster.md). Off unless backend is set."""
+
+    backend: str = "none"  # "mooncake": Mooncake Store (pip install 'hisparse[cluster]')
+    master: str = "127.0.0.1:50051"  # mooncake_master's RPC address, host:port
+    metadata_server: str = "http://127.0.0.1:8080/metadata"  # or "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    rdma_devices: str = ""  # e.g. "mlx5_0,mlx5_1" with protocol "rdma"
+    local_hostname: str = "127.0.0.1"  # this node's address as the other nodes reach it
+    segment_size_bytes: int = 0  # memory this daemon lends the cluster (0: none)
+    buffer_size_bytes: int = 16 << 20  # Mooncake's client-side staging buffer
+    replicas: int = 1
+    write_policy: str = "write-behind"
+    queue_pages: int = 4096  # write-behind backlog; beyond it pages are dropped, counted
+    batch_pages: int = 64  # pages per Mooncake batch call
+    timeout_s: float = 2.0  # a waited-for cluster call answers CLUSTER_UNAVAILABLE after this
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "none"
+
+    def summary(self) -> str:
+        if not self.enabled:
+            return "cluster=off"
+        return (f"cluster={self.backend} master={self.master} metadata={self.metadata_server} "
+                f"protocol={self.protocol} segment={format_size(self.segment_size_bytes)} "
+                f"replicas={self.replicas} write_policy={self.write_policy}")
+
+
 @dataclass(frozen=True)
 class Config:
     socket: str = field(default_factory=daemon_default_socket_path)
@@ -54,6 +89,7 @@ class Config:
     log_level: str = "INFO"
     admin_token_file: str | None = None  # None: hisparsed.token beside the socket
     metrics_address: str | None = None  # None: hisparsed.metrics.sock beside the socket; "": off
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     fresh: bool = False  # flag only: drop every region and table left by an earlier run
     config_file: str | None = None
     # What env and flags said at start: SIGHUP re-applies them over the file.
@@ -93,7 +129,8 @@ class Config:
                 f"lease_ttl={self.lease_ttl_s}s log_level={self.log_level} fresh={self.fresh} "
                 f"metrics={self.metrics_endpoint or 'off'}"
                 f"{' (the default beside the socket is too long a path)' if self.metrics_address is None and not self.metrics_endpoint else ''} "
-                f"namespaces=[{ns}] config={self.config_file or '(embedded defaults)'}")
+                f"namespaces=[{ns}] {self.cluster.summary()} "
+                f"config={self.config_file or '(embedded defaults)'}")
 
 
 # TOML key -> (Config field, parser). The same names are used by env (upper
@@ -218,14 +255,92 @@ def _namespaces(value: Any) -> dict[str, NamespaceConfig]:
     return out
 
 
+def _choice(choices: tuple[str, ...]) -> Any:
+    def parse(key: str, value: Any) -> str:
+        if not isinstance(value, str) or value.lower() not in choices:
+            raise ConfigError(f"{key}: must be one of {', '.join(choices)}, not {value!r}")
+        return value.lower()
+    return parse
+
+
+def _text(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: must be a string, not {value!r}")
+    return value
+
+
+def _count(low: int, high: int) -> Any:
+    def parse(key: str, value: Any) -> int:
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: must be an integer, not {value!r}") from None
+        if isinstance(value, (bool, float)) or not low <= n <= high:
+            raise ConfigError(f"{key}: must be an integer from {low} to {high}, not {value!r}")
+        return n
+    return parse
+
+
+def _size_or_zero(key: str, value: Any) -> int:
+    return 0 if value in (0, "0") else _size(key, value)
+
+
+def _seconds(key: str, value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: must be a number of seconds, not {value!r}") from None
+    if isinstance(value, bool) or not 0.01 <= seconds <= 600:
+        raise ConfigError(f"{key}: must be between 0.01 and 600 seconds, not {value!r}")
+    return seconds
+
+
+# [cluster] key -> (ClusterConfig field, parser); env: HISPARSED_CLUSTER_<KEY>.
+_CLUSTER_KEYS: dict[str, tuple[str, Any]] = {
+    "backend": ("backend", _choice(CLUSTER_BACKENDS)),
+    "master": ("master", _text),
+    "metadata_server": ("metadata_server", _text),
+    "protocol": ("protocol", _choice(CLUSTER_PROTOCOLS)),
+    "rdma_devices": ("rdma_devices", _text),
+    "local_hostname": ("local_hostname", _text),
+    "segment_size": ("segment_size_bytes", _size_or_zero),
+    "buffer_size": ("buffer_size_bytes", _size),
+    "replicas": ("replicas", _count(1, 16)),
+    "write_policy": ("write_policy", _choice(WRITE_POLICIES)),
+    "queue_pages": ("queue_pages", _count(1, 1 << 24)),
+    "batch_pages": ("batch_pages", _count(1, 4096)),
+    "timeout": ("timeout_s", _seconds),
+}
+
+
+def _cluster(current: ClusterConfig, value: Any, source: str) -> ClusterConfig:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: cluster must be a [cluster] table")
+    changes = {}
+    for key, raw in value.items():
+        if key not in _CLUSTER_KEYS:
+            raise ConfigError(f"{source}: unknown key cluster.{key} (known: {', '.join(_CLUSTER_KEYS)})")
+        name, parse = _CLUSTER_KEYS[key]
+        changes[name] = parse(f"{source}: cluster.{key}", raw)
+    cfg = replace(current, **changes)
+    if cfg.enabled and ":" not in cfg.master:
+        raise ConfigError(f"{source}: cluster.master must be host:port, not {cfg.master!r}")
+    if cfg.enabled and cfg.protocol == "rdma" and not cfg.rdma_devices:
+        raise ConfigError(f"{source}: cluster.rdma_devices must name the NICs when protocol is rdma")
+    return cfg
+
+
 def _apply(cfg: Config, values: dict[str, Any], source: str) -> Config:
     changes: dict[str, Any] = {}
     for key, value in values.items():
         if key == "namespaces":
             changes["namespaces"] = _namespaces(value)
             continue
+        if key == "cluster":
+            changes["cluster"] = _cluster(changes.get("cluster", cfg.cluster), value, source)
+            continue
         if key not in _KEYS:
-            known = ", ".join(sorted([*_KEYS, "namespaces"]))
+            known = ", ".join(sorted([*_KEYS, "namespaces", "cluster"]))
             raise ConfigError(f"{source}: unknown key {key!r} (known: {known})")
         name, parse = _KEYS[key]
         changes[name] = parse(f"{source}: {key}", value)
@@ -248,6 +363,10 @@ def from_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
         value = environ.get(f"HISPARSED_{key.upper()}")
         if value is not None:
             out[key] = value
+    cluster = {key: environ[f"HISPARSED_CLUSTER_{key.upper()}"] for key in _CLUSTER_KEYS
+               if f"HISPARSED_CLUSTER_{key.upper()}" in environ}
+    if cluster:
+        out["cluster"] = cluster
     return out
 
 

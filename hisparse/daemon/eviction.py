@@ -17,6 +17,7 @@ a new one is taken: amortised O(N / batch) per eviction.
 
 from __future__ import annotations
 
+import bisect
 from array import array
 
 import numpy as np
@@ -67,6 +68,40 @@ class StampLRU:
 
     def is_held(self, page: int) -> bool:
         return self.stamps[page] == HELD
+
+    def restore(self, page: int, stamp: int) -> None:
+        """Release ``page`` at an earlier stamp (``hold`` for a read that must not reorder it).
+
+        A stamp older than the current victim batch's newest goes into the batch,
+        in order, so the first valid entry is still exactly the LRU page.
+        """
+        if stamp == HELD:
+            return
+        if self.stamps[page] == HELD:
+            self.evictable += 1
+        self.stamps[page] = stamp
+        cand_stamps = self._cand_stamps
+        if self._pos < len(cand_stamps) and stamp < cand_stamps[-1]:
+            at = bisect.bisect_left(cand_stamps, stamp, self._pos)
+            cand_stamps.insert(at, stamp)
+            self._cand.insert(at, page)
+
+    @staticmethod
+    def is_held_stamp(stamp: int) -> bool:
+        return stamp == HELD
+
+    def peek_victims(self, limit: int) -> list[int]:
+        """Up to ``limit`` of the next victims, least recently used first, without taking them."""
+        out: list[int] = []
+        stamps, cand, cand_stamps = self.stamps, self._cand, self._cand_stamps
+        for pos in range(self._pos, len(cand)):
+            if stamps[cand[pos]] == cand_stamps[pos]:
+                out.append(cand[pos])
+                if len(out) >= limit:
+                    break
+        if not out and self._refill():
+            return self.peek_victims(limit) if self._cand else []
+        return out
 
     def touch(self, page: int) -> None:
         stamps = self.stamps

@@ -9,11 +9,13 @@ turns into ``INTERNAL`` and a logged traceback.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,7 @@ from hisparse.protocol import (
     KeysPageRequest,
     KeysRequest,
     Op,
+    PublishRequest,
     Request,
     WireError,
 )
@@ -59,6 +62,7 @@ class DaemonContext:
     started_s: float = field(default_factory=time.monotonic)
     request_shutdown: Callable[[str], None] = lambda reason: None
     evictions_since_log: dict[str, int] = field(default_factory=dict)
+    cluster: Any = None  # hisparse.daemon.cluster.ClusterTier when [cluster] is on
     requests_total: int = 0
     errors_total: int = 0
     opstats: OpStats = field(default_factory=OpStats)
@@ -150,8 +154,32 @@ def handle_ping(ctx: DaemonContext, _: None, req: Request) -> dict[str, Any]:
 
 # -- data ops --
 
-def handle_lookup(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    return {"count": _ns(session).index.lookup(req.keys)}
+def handle_lookup(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any] | Deferred:
+    ns = _ns(session)
+    count = ns.index.lookup(req.keys)
+    if not req.remote:
+        return {"count": count}
+    if ctx.cluster is None or count == len(req.keys):
+        return {"count": count, "remote": 0}
+    remote = ctx.cluster.remote_prefix(ns, req.keys[count:], req.wait)
+    if isinstance(remote, Future):  # the cluster worker answers (within cluster.timeout)
+        return Deferred(asyncio.wrap_future(remote), lambda n: {"count": count, "remote": n},
+                        _cluster_errors)
+    return {"count": count, "remote": remote}
+
+
+def handle_prefetch(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any] | Deferred:
+    if ctx.cluster is None:
+        raise WireError(ErrorCode.CLUSTER_UNAVAILABLE,
+                        "this hisparsed has no cluster tier: set [cluster] backend in its config")
+    body = ctx.cluster.prefetch(_ns(session), req.keys, req.wait)
+    if isinstance(body, Future):
+        return Deferred(asyncio.wrap_future(body), lambda done: done, _cluster_errors)
+    return body
+
+
+def _cluster_errors(exc: BaseException) -> WireError | None:
+    return exc if isinstance(exc, WireError) else None
 
 
 def _require_fence(session: Session, what: str) -> None:
@@ -174,6 +202,8 @@ def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> di
     session.fence.add_reserved([s for s in slots if s >= 0])  # type: ignore[union-attr]
     if evicted:
         ctx.evictions_since_log[ns.name] = ctx.evictions_since_log.get(ns.name, 0) + len(evicted)
+    if ctx.cluster is not None:
+        ctx.cluster.reserved(ns)
     return {"slots": slots, "evicted": evicted}
 
 
@@ -202,7 +232,17 @@ def _settle(session: Session, req: KeysRequest, what: str, apply) -> int:
 
 
 def handle_commit(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    return {"committed": _settle(session, req, "commit", _ns(session).index.commit)}
+    ns = _ns(session)
+    if ctx.cluster is None:
+        return {"committed": _settle(session, req, "commit", ns.index.commit)}
+    done: list[tuple[bytes, int]] = []
+
+    def commit(key: bytes, page: int) -> None:
+        ns.index.commit(key, page)
+        done.append((key, page))
+    committed = _settle(session, req, "commit", commit)
+    ctx.cluster.committed(ns, done)
+    return {"committed": committed}
 
 
 def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
@@ -253,6 +293,45 @@ def handle_unpin(ctx: DaemonContext, session: Session, req: PagesRequest) -> dic
     return {"unpinned": len(req.pages)}
 
 
+def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) -> dict[str, Any]:
+    """Commit reservations under the keys their bytes turned out to have.
+
+    vLLM's HiSparse host pool hands a block out before its tokens exist, so
+    the reservation's key is a placeholder and the block hash comes at
+    publication. A key someone already committed (or is writing) is not
+    published twice: that reservation stays held, its page id is -1 here.
+    """
+    ns = _ns(session)
+    index = ns.index
+    held = _held(session, req.keys, "publish")
+    if len(set(req.as_keys)) != len(req.as_keys):
+        raise WireError(ErrorCode.INVALID_ARGUMENT, "publish: an as_key is listed twice (nothing changed)")
+    pages: list[int] = []
+    done: list[tuple[bytes, int]] = []
+    for key, new_key, page in zip(req.keys, req.as_keys, held):
+        if new_key != key and new_key in index.keys:
+            pages.append(-1)
+            continue
+        del session.reservations[key]
+        index.rename(key, new_key, page)
+        index.commit(new_key, page)
+        done.append((new_key, page))
+        if req.pin:
+            # Pinned before the reservation's fence record goes: the page stays fenced.
+            index.pin((new_key,))
+            session.fence.add_pins([page])  # type: ignore[union-attr]
+            hold = session.pins.get(page)
+            if hold is None:
+                session.pins[page] = PinHold(new_key, 1)
+            else:
+                hold.count += 1
+        session.fence.clear_reserved([page])  # type: ignore[union-attr]
+        pages.append(page)
+    if ctx.cluster is not None and done:
+        ctx.cluster.committed(ns, done)  # published pages go behind to the cluster like any commit
+    return {"pages": pages}
+
+
 def handle_heartbeat(ctx: DaemonContext, session: Session, req: Request) -> dict[str, Any]:
     return {"lease_ttl_s": ctx.sessions.lease_ttl_s}
 
@@ -295,6 +374,7 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
     }
     daemon.update(ctx.registry.stats())
     daemon.update(ctx.transport_stats())
+    daemon["cluster"] = ctx.cluster.stats() if ctx.cluster is not None else {"backend": "none"}
     body: dict[str, Any] = {"daemon": daemon, "namespaces": namespaces}
     if session is not None and session.namespace is None:  # hisparsectl: who holds what, stalled ones included
         body["sessions"] = [row for row in _session_rows(ctx) if row["namespace"] in namespaces]
@@ -401,5 +481,7 @@ HANDLERS: dict[Op, Handler] = {
     Op.BYE: handle_bye,
     Op.EVICT_SESSION: handle_evict_session,
     Op.DROP: handle_drop,
+    Op.PUBLISH: handle_publish,
+    Op.PREFETCH: handle_prefetch,
 }
 assert set(HANDLERS) == set(Op), "every op needs a handler"

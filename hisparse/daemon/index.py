@@ -231,6 +231,15 @@ class NamespaceIndex:
         self.counters.reserved_pages += new
         return slots, evicted
 
+    def rename(self, key: bytes, new_key: bytes, page: int) -> None:
+        """A WRITING page's key becomes ``new_key`` (which nobody holds); the table follows."""
+        if new_key == key:
+            return
+        del self.keys[key]
+        self.keys[new_key] = page
+        self.page_keys[page] = new_key
+        self.table.set_writing(page, new_key, self.table.generation_of(page))
+
     def commit(self, key: bytes, page: int) -> None:
         self.table.set_state(page, COMMITTED)
         self.state[page] = COMMITTED
@@ -336,6 +345,29 @@ class NamespaceIndex:
         states[doomed] = FREE
         self.free.frombytes(doomed.astype(np.int32).tobytes())
         self.lru.release_many(zero[now == COMMITTED])
+    def hold_committed(self, key: bytes, page: int) -> int | None:
+        """Pin ``page`` for the daemon's own read (the cluster tier copying it out).
+
+        None when ``key`` is no longer committed in ``page`` (evicted, reused).
+        Returns the page's LRU stamp, which ``end_hold`` puts back: a page
+        read for the cluster keeps its place in the eviction order.
+        """
+        if self.keys.get(key) != page or self.state[page] != COMMITTED:
+            return None
+        stamp = self.lru.stamps[page]
+        if self.pins[page] == 0:
+            self.num_pinned_pages += 1
+            self.lru.hold(page)
+        self.pins[page] += 1
+        return stamp
+
+    def end_hold(self, page: int, stamp: int) -> None:
+        if self.pins[page] == 1 and self.state[page] == COMMITTED and not self.lru.is_held_stamp(stamp):
+            self.pins[page] = 0
+            self.num_pinned_pages -= 1
+            self.lru.restore(page, stamp)
+            return
+        self.unpin(page)
 
     def clear(self) -> tuple[int, int]:
         """Drop every committed page: (freed now, doomed until unpinned). WRITING stays.

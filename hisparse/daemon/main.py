@@ -161,6 +161,24 @@ async def _announce_ready(endpoint: str, socket_path: str) -> None:
     log.info("ready: serving on %s (export HISPARSE_SOCKET=%s)", socket_path, socket_path)
 
 
+def _cluster_tier(cfg: config_mod.ClusterConfig):
+    """The cluster tier (its worker starts with the loop); refuses to start without the wheel."""
+    from hisparse.cluster import mooncake
+    from hisparse.daemon.cluster import ClusterTier
+
+    try:
+        mooncake.load()
+    except mooncake.ClusterUnavailableError as exc:
+        raise HisparseError(str(exc)) from None
+
+    def backend() -> mooncake.MooncakeBackend:
+        return mooncake.MooncakeBackend(
+            local_hostname=cfg.local_hostname, metadata_server=cfg.metadata_server, master=cfg.master,
+            protocol=cfg.protocol, rdma_devices=cfg.rdma_devices, segment_size_bytes=cfg.segment_size_bytes,
+            buffer_size_bytes=cfg.buffer_size_bytes, replicas=cfg.replicas)
+    return ClusterTier(cfg, backend)
+
+
 def run(cfg: config_mod.Config) -> int:
     # First the socket's directory: meta/, fences/ and the token go beside it.
     trust.private_dir(os.path.dirname(cfg.socket), "socket directory", allow_root_owner=True)
@@ -187,6 +205,8 @@ def run(cfg: config_mod.Config) -> int:
         log.info("fences of the earlier run: %d still held (their pages stay fenced), %d released",
                  adopted, removed)
     ctx = DaemonContext(cfg, registry, sessions, admin_token="", fence_dir=fence_dir, access=access)
+    if cfg.cluster.enabled:
+        ctx.cluster = _cluster_tier(cfg.cluster)
     endpoint = endpoint_for(cfg.socket)
     server = Server(ctx, endpoint)
     server.bind()
@@ -203,6 +223,8 @@ def run(cfg: config_mod.Config) -> int:
         reason = runner(server.serve(lambda: _announce_ready(endpoint, cfg.socket)))
     finally:
         notify.notify("STOPPING=1")
+        if ctx.cluster is not None:
+            ctx.cluster.stop()
         # Clients may be mid-copy: their fences stay, and the next daemon fences their pages.
         ctx.sessions.detach_all()
         registry.close()

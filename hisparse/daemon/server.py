@@ -159,6 +159,8 @@ class Server:
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._on_readable)
         loop.call_soon(self._on_readable)  # messages that arrived before the reader existed
+        if self.ctx.cluster is not None:
+            self.ctx.cluster.start(loop)
         if signals:  # only the main thread may; in-process tests run the loop elsewhere
             for sig, reason in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
                 loop.add_signal_handler(sig, self.stop, reason)

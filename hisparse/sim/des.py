@@ -76,6 +76,11 @@ class HostPool:
         self.used_bytes -= entry[1]
         self.pinned_bytes -= entry[1] if entry[2] else 0
 
+    def drop_unpinned(self) -> None:
+        """An engine restart: every parked entry goes (running requests' are drained first)."""
+        for key in [k for k, e in self._entries.items() if e[2] == 0]:
+            self.drop(key)
+
 
 @dataclass
 class _Req:
@@ -231,6 +236,21 @@ class _Sim:
         self.run_area = self.wait_area = self.steps = self.steps_time = 0.0
         self.hit = self.lookupable = self.turns = 0
         self.turn_time = 0.0
+        interval = self.wl.restart_interval_s
+        self.restart_every_s = interval / self.node.dp if interval > 0 else math.inf
+        self.next_restart_s, self.restarts = self.restart_every_s, 0
+
+    def restart_due(self) -> None:
+        """Rolling restarts: the next replica's engine restarts, losing a private host pool."""
+        node = self.node
+        while self.now >= self.next_restart_s:
+            r = self.restarts % node.dp
+            if not node.host.shared:
+                node.park[r].drop_unpinned()
+                if node.sparse[r] is not node.park[r]:
+                    node.sparse[r].drop_unpinned()
+            self.restarts += 1
+            self.next_restart_s += self.restart_every_s
 
     def measured(self, span_s: float) -> float:
         """The part of [now, now + span_s] inside the measured window."""
@@ -352,11 +372,12 @@ class _Sim:
     def run(self) -> None:
         node, sc = self.node, self.sc
         while self.now < sc.horizon_s:
+            self.restart_due()
             self.deliver()
             passes = [self.schedule(r) for r in range(node.dp)]
             not_running = sum(map(len, node.waiting)) + len(node.loading)
-            next_event = min([a[0] for a in self.arrivals[:1]] + [q.ready_s for q in node.loading],
-                             default=sc.horizon_s)
+            next_event = min([a[0] for a in self.arrivals[:1]] + [q.ready_s for q in node.loading]
+                             + [min(self.next_restart_s, sc.horizon_s)])
             if not any(node.running):
                 self.wait_area += not_running * self.measured(max(next_event - self.now, 0.0))
                 self.now = max(next_event, self.now)

@@ -218,15 +218,20 @@ def print_published(sc: Scenario, out: dict[str, Any]) -> None:
         print("published at c=32: baseline 5-6, hisparse 19-25")
 
 
+SHARED_POOL_RESTART_S = 1800.0  # rolling restarts: each replica once per half hour
+
+
 def run_shared_pool(sc: Scenario) -> dict[str, Any]:
     rows = []
-    for move in (0.0, sc.workload.move_prob, 1.0):
-        s = replace(sc, workload=replace(sc.workload, move_prob=move))
+    cases = [(move, 0.0, c) for move in (0.0, sc.workload.move_prob, 1.0) for c in sc.concurrency]
+    cases.append((sc.workload.move_prob, SHARED_POOL_RESTART_S, sc.concurrency[0]))
+    for move, restart_s, c in cases:
+        s = replace(sc, workload=replace(sc.workload, move_prob=move, restart_interval_s=restart_s))
         for shared in (True, False):
             host = replace(s.hisparse_host, shared=shared)
-            for c in s.concurrency:
-                r = des.simulate(replace(s, hisparse_host=host), "hisparse", c)
-                rows.append({"pool": "shared" if shared else "per-replica", "move_prob": move} | asdict(r))
+            r = des.simulate(replace(s, hisparse_host=host), "hisparse", c)
+            rows.append({"pool": "shared" if shared else "per-replica", "move_prob": move,
+                         "restart_interval_s": restart_s} | asdict(r))
     return {"scenario": sc.name, "rows": rows, "inputs": inputs(sc)}
 
 
@@ -235,11 +240,15 @@ def print_shared_pool(sc: Scenario, out: dict[str, Any]) -> None:
     print(f"  {sc.engine.dp} replicas; host {_gib(sc.hisparse_host.park_bytes)} as one pool, or"
           f" {sc.engine.dp} x {_gib(sc.hisparse_host.park_bytes // sc.engine.dp)};"
           f" system prompt {sc.workload.shared_prefix_tokens:,} tokens")
-    print(f"{'pool':>12} {'move':>5} {'c':>4} {'running':>8} {'host hit':>9} {'turns/min':>10}"
-          f" {'turn s':>7}")
+    print("  shared: vLLM HiSparse with kv_connector_module_path=hisparse.vllm.hisparse_connector"
+          " (one hisparsed namespace); per-replica: vLLM's own HiSparse host pools")
+    print(f"{'pool':>12} {'move':>5} {'restart':>8} {'c':>4} {'running':>8} {'host hit':>9}"
+          f" {'turns/min':>10} {'turn s':>7}")
     for r in out["rows"]:
-        print(f"{r['pool']:>12} {r['move_prob']:>5.2f} {r['users']:>4} {r['mean_running']:>8.2f}"
-              f" {r['host_hit_rate']:>9.1%} {r['turns_per_min']:>10.1f} {r['mean_turn_s']:>7.1f}")
+        restart = f"{r['restart_interval_s']:.0f}s" if r["restart_interval_s"] else "-"
+        print(f"{r['pool']:>12} {r['move_prob']:>5.2f} {restart:>8} {r['users']:>4}"
+              f" {r['mean_running']:>8.2f} {r['host_hit_rate']:>9.1%} {r['turns_per_min']:>10.1f}"
+              f" {r['mean_turn_s']:>7.1f}")
 
 
 def run_long_context(sc: Scenario) -> dict[str, Any]:

@@ -138,6 +138,11 @@ class Workload:
     gap_s: float = 3.0
     # Probability that a turn goes to another DP replica than the last one.
     move_prob: float = 0.0
+    # Rolling engine restarts (upgrades, crashes): each DP replica restarts once
+    # per this many seconds, staggered; 0 = never. A restarted engine loses a
+    # private host pool (vLLM unlinks its HiSparse region at exit), not a
+    # hisparsed namespace.
+    restart_interval_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -213,15 +218,18 @@ _GLM53 = Scenario(
 
 SCENARIOS: dict[str, Scenario] = {
     "glm53-8xh200": _GLM53,
-    # Item 4: the node as 8 DP-attention replicas; one hisparsed pool of
-    # 512 GiB against 8 private pools of 64 GiB. A 16K-token system prompt
+    # Item 4 / issue 12: the node as 8 DP-attention replicas running vLLM 0.34's
+    # HiSparse; its host pools as hisparse.vllm.hisparse_connector gives them
+    # (one hisparsed namespace of 512 GiB) against vLLM's own (8 private
+    # pools of 64 GiB, host_pool_gib=64 each). A 16K-token system prompt
     # (tool schemas and instructions) opens every session; a quarter of the
     # turns land on another replica (a load-balancing router without strict
     # session affinity).
     "glm53-8xh200-shared-pool": replace(
         _GLM53,
         name="glm53-8xh200-shared-pool",
-        description="GLM-5.3, 8 DP-attention replicas: one shared pool vs per-replica pools",
+        description="GLM-5.3, 8 DP-attention replicas on vLLM HiSparse: one hisparsed namespace "
+                    "(our HiSparseConnector) vs vLLM's per-replica host pools",
         engine=replace(_GLM53.engine, tp=1, dp=8),
         workload=replace(_GLM53.workload, shared_prefix_tokens=16_384, move_prob=0.25),
         concurrency=(32, 64),

@@ -54,6 +54,7 @@ from vllm.v1.kv_offload.base import (
 
 from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired
 from hisparse.protocol import SLOT_BUSY
+from hisparse.vllm.cluster import ClusterPromotions
 from hisparse.vllm.config import AdapterConfig, check_key
 from hisparse.vllm.events import TierEvents
 from hisparse.vllm.holds import Holds, Release
@@ -109,6 +110,7 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._events = TierEvents(enable_events, self.medium)
         self._counts = dict.fromkeys(HiSparseMetrics.COUNTERS, 0)
         self._key_checked = False
+        self._cluster = ClusterPromotions(ops.client, clock)
         self._syncer = Syncer(ops, self._mirror, self._holds, self._lock,
                               interval_s=config.mirror_refresh_s, hold_s=config.hold_s,
                               on_changes=self._on_changes, on_published=self._on_published,
@@ -131,6 +133,7 @@ class HiSparseOffloadingManager(OffloadingManager):
             return LookupResult.MISS
         if self._holds.touch(key, req_context.req_id):
             self._counts["LOOKUP_HITS"] += 1
+            self._cluster.landed(key)
             return LookupResult.HIT
         if key in self._mirror.pages:
             self._holds.want(key, req_context.req_id)  # pinned by the next background round
@@ -139,17 +142,25 @@ class HiSparseOffloadingManager(OffloadingManager):
             return LookupResult.HIT_PENDING
         if self._writing.busy(key):
             return LookupResult.RETRY
-        self._counts["LOOKUP_MISSES"] += 1
-        return LookupResult.MISS
+        result = self._cluster.miss(key)  # RETRY while the daemon promotes it from the cluster
+        if result is LookupResult.MISS:
+            self._counts["LOOKUP_MISSES"] += 1
+        return result
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+        if key in self._cluster.promoted:
+            return CacheHitSource.P2P  # promoted from the cluster tier (another node's pages)
         return CacheHitSource.HOST  # the node's host memory, shared by its engines
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._holds.wanted:
             self._syncer.wake()  # pin them now, not at the next tick
+        self._cluster.flush()  # hands this step's cluster promotions to their sender thread
+
+    def has_pending_work(self) -> bool:
+        return self._cluster.waiting()  # the engine keeps stepping while a promotion may land
 
     # -- loads --
 
@@ -369,6 +380,7 @@ class HiSparseOffloadingManager(OffloadingManager):
 
     def shutdown(self) -> None:
         # bye releases every pin and reservation this session still holds.
+        self._cluster.close()
         self._syncer.stop(self._config.timeout_s * 2)
         self._ops.client.close()
 

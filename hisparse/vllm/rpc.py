@@ -68,6 +68,18 @@ class NamespaceOps:
         for chunk in _chunks(keys):
             self.client.request_in(session, Op.ABORT, keys=chunk, missing_ok=missing_ok)
 
+    def publish(self, session: Session, keys: list[bytes], as_keys: list[bytes], *,
+                pin: bool) -> list[int]:
+        """Commit reservations held under ``keys`` as ``as_keys``: page ids, ``-1`` where
+        ``as_keys[i]`` was already taken (that reservation stays held)."""
+        pages: list[int] = []
+        for start in range(0, len(keys), MAX_KEYS_PER_REQUEST):
+            end = start + MAX_KEYS_PER_REQUEST
+            body = self.client.request_in(session, Op.PUBLISH, keys=keys[start:end],
+                                          as_keys=as_keys[start:end], pin=pin)
+            pages.extend(int(p) for p in body["pages"])
+        return pages
+
     # -- reads: pin, then unpin on the same session --
 
     def pin_each(self, keys: list[bytes], *, session: Session | None = None,

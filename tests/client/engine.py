@@ -97,15 +97,21 @@ def finish(proc: subprocess.Popen, timeout_s: float = 90) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
+def actor_parser(roles: list[str], count: int) -> argparse.ArgumentParser:
+    """The arguments every test actor process takes: role, daemon, namespace, keys."""
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["store", "load", "lookup", "churn", "store-chunks"])
+    p.add_argument("role", choices=roles)
     p.add_argument("--socket", required=True)
     p.add_argument("--namespace", required=True)
     p.add_argument("--layout", required=True, type=parse_layout)
     p.add_argument("--capacity", default=None)
     p.add_argument("--seed", default="chain")
-    p.add_argument("--count", type=int, default=16)
+    p.add_argument("--count", type=int, default=count)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = actor_parser(["store", "load", "lookup", "churn", "store-chunks"], count=16)
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--ready", default=None)

@@ -29,7 +29,7 @@ import numpy as np
 from hisparse import client
 from hisparse.client.backends import cpu
 from hisparse.errors import HisparseError, LeaseExpired
-from tests.client.engine import bad_pages, chain, page_for, pages_for, parse_layout
+from tests.client.engine import actor_parser, bad_pages, chain, page_for, pages_for
 
 
 def emit(**fields: object) -> None:
@@ -157,14 +157,7 @@ ROLES = {"stall-writer": stall_writer, "stall-reader": stall_reader, "soak-write
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("role", choices=sorted(ROLES))
-    p.add_argument("--socket", required=True)
-    p.add_argument("--namespace", required=True)
-    p.add_argument("--layout", required=True, type=parse_layout)
-    p.add_argument("--capacity", default=None)
-    p.add_argument("--seed", default="chain")
-    p.add_argument("--count", type=int, default=4)
+    p = actor_parser(sorted(ROLES), count=4)
     p.add_argument("--until", default="/nonexistent")
     p.add_argument("--chains", type=int, default=32, help="soak: distinct chains written and read")
     p.add_argument("--timeout", type=float, default=10.0)

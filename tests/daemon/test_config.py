@@ -106,3 +106,39 @@ def test_the_example_documents_every_key():
         assert re.search(rf"^(# )?{key} = ", text, re.M), f"{EXAMPLE} does not document {key}"
     cfg = config.build(EXAMPLE, env={})
     assert cfg.session_pin_share == 0.5 and cfg.session_reserve_share == 0.5
+def test_cluster_section_is_off_by_default_and_parsed_with_env_overrides(tmp_path):
+    assert not config.build(env={}).cluster.enabled
+    f = tmp_path / "c.toml"
+    f.write_text('[cluster]\nbackend = "mooncake"\nmaster = "10.0.0.1:50051"\nsegment_size = "4GiB"\n'
+                 'replicas = 2\nwrite_policy = "on-evict"\n')
+    cfg = config.build(str(f), env={"HISPARSED_CLUSTER_REPLICAS": "3", "HISPARSED_CLUSTER_TIMEOUT": "0.5"})
+    c = cfg.cluster
+    assert c.enabled and c.master == "10.0.0.1:50051" and c.segment_size_bytes == 4 << 30
+    assert c.replicas == 3 and c.timeout_s == 0.5 and c.write_policy == "on-evict"
+    assert "cluster=mooncake" in cfg.summary()
+    # env alone turns it on
+    assert config.build(env={"HISPARSED_CLUSTER_BACKEND": "mooncake"}).cluster.enabled
+
+
+@pytest.mark.parametrize(("text", "names"), [
+    ('[cluster]\nbackend = "redis"\n', "cluster.backend"),
+    ('[cluster]\nwrite_policy = "never"\n', "cluster.write_policy"),
+    ('[cluster]\nreplicas = 0\n', "cluster.replicas"),
+    ('[cluster]\nprotocol = "udp"\n', "cluster.protocol"),
+    ('[cluster]\nbogus = 1\n', "cluster.bogus"),
+    ('[cluster]\nbackend = "mooncake"\nmaster = "nohost"\n', "cluster.master"),
+    ('[cluster]\nbackend = "mooncake"\nprotocol = "rdma"\n', "cluster.rdma_devices"),
+    ('cluster = 3\n', "cluster"),
+])
+def test_bad_cluster_values_name_their_key(tmp_path, text, names):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=names):
+        config.build(str(f), env={})
+
+
+def test_the_example_file_documents_every_cluster_key():
+    with open(EXAMPLE) as f:
+        text = f.read()
+    for key in config._CLUSTER_KEYS:
+        assert f"# {key} = " in text or f"\n{key} = " in text, key

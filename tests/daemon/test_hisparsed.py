@@ -377,7 +377,7 @@ def _wait(cond, what: str, timeout_s: float = 20.0) -> None:
 
 
 def test_an_expired_writers_pages_stay_fenced_while_its_process_lives(daemon_factory, clients):
-    d = daemon_factory(lease_ttl=1.0)
+    d = daemon_factory(lease_ttl=2.0)
     stalled = clients(d, capacity_bytes=192 * 2)
     slots = stalled.call(Op.RESERVE, keys=keys_for("stalled", 2))["slots"]
     assert len(slots) == 2  # the region is now full of this writer's reservations
@@ -388,11 +388,44 @@ def test_an_expired_writers_pages_stay_fenced_while_its_process_lives(daemon_fac
     assert other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"] == []
     with open(stalled.fence_path, "rb") as f:
         assert f.read(16)[12] == 2, "the fence says LOST"
-    # several reaper ticks later, still fenced: silence alone never frees a page
-    time.sleep(1.0)
-    assert other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"] == []
+    # many reaper ticks later (other keeps its own lease), still fenced: silence alone
+    # never frees a page
+    for _ in range(10):
+        time.sleep(0.1)
+        assert other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"] == []
     assert other.call(Op.STATS)["daemon"]["fenced_sessions"] == 1
     stalled.release_fence()  # the process comes back and gives up its holds (or exits)
     _wait(lambda: len(other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"]) == 2, "release")
     ns = other.call(Op.STATS)["namespaces"]["ns"]
     assert ns["fenced_pages"] == 0 and ns["writing_pages"] == 2
+
+
+def test_publish_commits_a_reservation_under_its_late_key_once(daemon_factory, clients):
+    # vLLM HiSparse: a block is handed out (reserved under a placeholder) before
+    # its tokens, hence its hash, exist; publish commits it under the hash
+    d = daemon_factory(lease_ttl=5)
+    a, b = clients(d), clients(d)
+    placeholders, hashes = keys_for("placeholder-a", 3), keys_for("hash", 3)
+    slots = a.call(Op.RESERVE, keys=placeholders)["slots"]
+    for i, page in enumerate(slots):
+        a.write_page(page, page_bytes("hash", i))
+    got = a.call(Op.PUBLISH, keys=placeholders, as_keys=hashes, pin=True)["pages"]
+    assert got == slots
+    assert b.call(Op.LOOKUP, keys=hashes) == {"count": 3}
+    assert b.call(Op.LOOKUP, keys=placeholders) == {"count": 0}
+    # a second engine's block with the same hash is not published twice: it stays its reservation
+    other = keys_for("placeholder-b", 1)
+    (b_page,) = b.call(Op.RESERVE, keys=other)["slots"]
+    assert b.call(Op.PUBLISH, keys=other, as_keys=hashes[:1], pin=False)["pages"] == [-1]
+    assert b.call(Op.ABORT, keys=other) == {"aborted": 1}
+    # publishing what this session does not hold changes nothing
+    reply = b.request(Op.PUBLISH, keys=placeholders, as_keys=keys_for("x", 3), pin=False)
+    assert reply.error_code == ErrorCode.NOT_HELD.value
+    # a's pin holds the pages; unpinned, they are ordinary committed pages
+    assert a.call(Op.UNPIN, pages=slots) == {"unpinned": 3}
+    # the renamed key is what the metadata table keeps: it survives a SIGKILL
+    d.restart(kill=True)
+    c = clients(d)
+    assert c.call(Op.LOOKUP, keys=hashes) == {"count": 3}
+    pinned = c.call(Op.PIN, keys=hashes)["pages"]
+    assert [c.read_page(p) for p in pinned] == [page_bytes("hash", i) for i in range(3)]

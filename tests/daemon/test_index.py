@@ -181,3 +181,16 @@ def test_unpin_many_matches_unpin_one_by_one(make_index):
     assert bytes(one.state) == bytes(many.state) and DOOMED not in set(many.state)
     assert list(one.pins) == list(many.pins) and one.num_pinned_pages == many.num_pinned_pages == 0
     assert sorted(one.free) == sorted(many.free) and one.lru.evictable == many.lru.evictable
+def test_a_cluster_read_hold_keeps_the_page_and_its_place_in_the_lru(make_index):
+    index = make_index(num_pages=4)
+    k = keys_for("hold", 6)
+    store(index, k[:4])
+    stamp = index.hold_committed(k[0], 0)  # the oldest page, held while the cluster reads it
+    assert stamp is not None and index.hold_committed(k[1], 3) is None  # not k[1]'s page
+    # room for one more: page 0 is held, so k[1]'s page goes instead
+    slots, evicted = index.reserve((k[4],), {})
+    assert evicted == [k[1]]
+    index.end_hold(0, stamp)
+    # released at its old stamp: still the least recently used, so it goes next
+    slots, evicted = index.reserve((k[5],), {})
+    assert evicted == [k[0]]

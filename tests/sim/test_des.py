@@ -131,3 +131,16 @@ def test_sticky_sessions_hit_either_pool():
     sticky = replace(SHARED, workload=replace(SHARED.workload, move_prob=0.0))
     private = replace(sticky, hisparse_host=replace(sticky.hisparse_host, shared=False))
     assert des.simulate(private, "hisparse", 32).host_hit_rate > 0.99
+
+
+def test_an_engine_restart_empties_a_private_pool_not_the_namespace():
+    pool = des.HostPool(100)
+    assert pool.reserve(("parked",), 10, 10, False) and pool.reserve(("running",), 10, 20, True)
+    pool.drop_unpinned()
+    assert pool.tokens(("parked",)) == 0 and pool.tokens(("running",)) == 10
+    assert (pool.used_bytes, pool.pinned_bytes) == (20, 20)
+    # sticky sessions, rolling restarts every 10 minutes per replica
+    sticky = replace(SHARED, workload=replace(SHARED.workload, move_prob=0.0, restart_interval_s=600.0))
+    private = replace(sticky, hisparse_host=replace(sticky.hisparse_host, shared=False))
+    assert des.simulate(sticky, "hisparse", 32).host_hit_rate > 0.999
+    assert des.simulate(private, "hisparse", 32).host_hit_rate < 0.995

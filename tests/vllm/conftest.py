@@ -124,7 +124,7 @@ class Locked:
         return call
 
 
-def wait_until(predicate: Any, timeout_s: float = 10.0, what: str = "condition",
+def wait_until(predicate: Any, timeout_s: float = 30.0, what: str = "condition",
                describe: Any = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -134,7 +134,7 @@ def wait_until(predicate: Any, timeout_s: float = 10.0, what: str = "condition",
 
 
 def settled_lookups(manager: Any, keys: list[OffloadKey], ctx: ReqContext | None = None,
-                    timeout_s: float = 10.0) -> list[LookupResult]:
+                    timeout_s: float = 30.0) -> list[LookupResult]:
     """Look ``keys`` up as the scheduler does, step after step, until no answer is RETRY.
 
     A committed key answers RETRY until the background thread has pinned it;
@@ -233,7 +233,7 @@ def run_jobs(worker: Any, job_ids: set[int]) -> dict[int, bool]:
             results[r.job_id] = r.success
         return job_ids <= results.keys()
 
-    wait_until(done, 10.0, f"jobs {sorted(job_ids)}")
+    wait_until(done, 30.0, f"jobs {sorted(job_ids)}")
     return results
 
 

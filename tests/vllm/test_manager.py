@@ -348,18 +348,20 @@ def test_events_off_when_kv_events_are_off(engines):
 
 def test_daemon_away_never_blocks_the_scheduler(engines):
     # issue 10, item 4: the scheduler's own calls wait at most deadline_s, then nothing waits
-    engine = engines(extra={"timeout_s": 0.5, "deadline_s": 0.05})
+    # A call that waited on the daemon would take a whole timeout_s (2 s); the bounds
+    # below sit well under it and far above the expected time, for a busy machine.
+    engine = engines(extra={"timeout_s": 2.0, "deadline_s": 0.05})
     manager = engine.manager
     store(manager, [1, 2])
     engines.daemon.kill()
 
     t0 = time.monotonic()
     assert manager.prepare_store(to_keys([3]), req()) is None  # one deadline at most
-    assert time.monotonic() - t0 < 0.05 * 10
+    assert time.monotonic() - t0 < 1.5
     t0 = time.monotonic()
     assert [manager.lookup(k, req()) for k in to_keys([1, 2] * 500)] == [MISS] * 1000
     assert manager.prepare_store(to_keys([4]), req()) is None
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 1.5
 
     # a restarted daemon adopts the committed pages; the background thread finds it
     engines.daemon.start()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -138,8 +139,14 @@ _REGISTRY: dict[int, tuple[Registration, RegionMap]] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
-def register(region: RegionMap, device_index: int = 0) -> Registration:
-    """Register the region's mapping once per process; returns its device address."""
+def register(region: RegionMap, device_index: int = 0,
+             ranges: Sequence[tuple[int, int]] | None = None) -> Registration:
+    """Register the region's mapping once per process; returns its device address.
+
+    ``ranges``: ``(start, end)`` byte offsets of each registration call, when
+    the caller must choose the cuts (vLLM HiSparse: never inside a block);
+    default ``register_chunks``. They must tile the region from 0.
+    """
     address, size = region.address, region.geometry.size_bytes
     with _REGISTRY_LOCK:
         held = _REGISTRY.get(address)
@@ -149,6 +156,11 @@ def register(region: RegionMap, device_index: int = 0) -> Registration:
         cu = driver()
         flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
         chunks = register_chunks(address, size)
+        if ranges is not None:
+            chunks = [(address + start, end - start) for start, end in ranges]
+            if ranges[0][0] != 0 or ranges[-1][1] < size or any(
+                    a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+                raise ValueError(f"registration ranges {ranges} do not tile the region of {size} B")
         started = time.monotonic()
         done: list[tuple[int, int]] = []
         try:

@@ -1,0 +1,387 @@
+"""hisparsed's cluster tier: pages below the node, in Mooncake Store (docs/cluster.md).
+
+Two threads, one rule: the event loop owns the index, the worker owns the
+cluster. Handlers call the loop-side methods here (``committed``,
+``reserved``, ``remote_prefix``, ``prefetch``); they only queue work and
+answer at once, or hand the server a ``Future`` that the worker resolves
+(a waited-for lookup or prefetch; every such future is resolved within
+``cluster.timeout``). The worker makes every Mooncake call and touches
+page bytes; whatever it needs from the index (hold a page while it is
+read, reserve pages to fetch into, commit or abort them) it asks of the
+loop (``_on_loop``), so the index stays single-threaded.
+
+- Write-behind (default policy): each committed page is queued (bounded;
+  a full queue drops the page and counts it, never slowing a commit). The
+  worker holds each page while it hashes and puts it, so the page is not
+  reused under the copy; a page evicted while queued is skipped.
+- On-evict: nothing is queued at commit; when a namespace's free pages run
+  low, the next LRU victims are queued, so they reach the cluster before
+  their pages are reused; a victim the worker did not reach in time is
+  simply not in the cluster.
+- Promotion: reserve -> get into the reserved pages -> verify header and
+  hash -> commit, or abort on any mismatch: the same fencing as a client's
+  store; a refused value is removed from the cluster and counted.
+- The cluster down: calls fail fast or time out; the tier marks itself
+  down for ``DOWN_BACKOFF_S``, answers from what it knows meanwhile, keeps
+  the write-behind queue (bounded) and resumes when a put goes through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from hisparse.cluster import format as fmt
+from hisparse.daemon import cluster_io
+from hisparse.daemon.cluster_io import ClusterDown, Space
+from hisparse.daemon.config import ClusterConfig
+from hisparse.daemon.namespaces import Namespace
+from hisparse.protocol import ErrorCode, WireError
+from hisparse.shm.region import RegionMap
+from hisparse.shm.table import COMMITTED
+
+log = logging.getLogger(__name__)
+
+DOWN_BACKOFF_S = 0.5  # after a failed cluster call, wait this long before the next try
+KNOWN_TTL_S = 30.0  # a key seen in the cluster counts as remote this long without asking again
+MAX_KNOWN_KEYS = 1 << 18  # about 64 MiB of keys at most
+MAX_PROBE_KEYS = 4096  # keys one unwaited lookup asks the cluster about in the background
+LOOP_CALL_TIMEOUT_S = 10.0
+COUNTERS = ("queued_pages", "dropped_pages", "skipped_pages", "put_pages", "put_bytes",
+            "put_failed_pages", "promoted_pages", "promoted_bytes", "refused_pages", "missing_pages",
+            "remote_lookups", "remote_keys", "errors", "put_s", "get_s", "hash_s")
+
+
+class ClusterTier:
+    def __init__(self, config: ClusterConfig, backend_factory: Callable[[], Any]) -> None:
+        self.config = config
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self.state = "connecting"
+        self.last_error = ""
+        self._factory = backend_factory
+        self._backend: Any = None
+        self._spaces: dict[str, Space] = {}
+        self._known: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        self._cond = threading.Condition()
+        self._urgent: deque[Callable[[], None]] = deque()
+        self._queue: deque[tuple[Space, bytes, int]] = deque()
+        self._down_until = 0.0
+        self._queue_paused_until = 0.0  # write-behind waits after a failed put
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._headers = np.zeros(config.batch_pages * fmt.HEADER_BYTES, dtype=np.uint8)
+        self._stage: np.ndarray | None = None  # TCP gets: cluster_io._fetch_staged
+        self._getter: ThreadPoolExecutor | None = None
+
+    # -- lifecycle (loop thread) --
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="hisparse-cluster", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=LOOP_CALL_TIMEOUT_S)
+        if self._getter is not None:
+            self._getter.shutdown(wait=False)
+        for space in self._spaces.values():
+            for key, page in list(space.held.items()):
+                space.ns.index.abort(key, page)
+            space.held.clear()
+            space.region.close()
+
+    def getter(self) -> ThreadPoolExecutor:
+        """A second thread for TCP gets, so one half's get overlaps the other half's checks."""
+        if self._getter is None:
+            self._getter = ThreadPoolExecutor(1, thread_name_prefix="hisparse-cluster-get")
+        return self._getter
+
+    # -- the loop side: called from handlers --
+
+    def committed(self, ns: Namespace, pairs: list[tuple[bytes, int]]) -> None:
+        """Pages a client just committed: queue them for write-behind."""
+        if self.config.write_policy == "write-behind":
+            self._enqueue(self._space(ns), pairs)
+
+    def reserved(self, ns: Namespace) -> None:
+        """After a client's reserve: with ``on-evict``, queue the next victims when room runs low."""
+        if self.config.write_policy != "on-evict":
+            return
+        index = ns.index
+        if len(index.free) > max(self.config.batch_pages, index.num_pages // 8):
+            return
+        space = self._space(ns)
+        now = time.monotonic()
+        pairs = []
+        for page in index.lru.peek_victims(2 * self.config.batch_pages):
+            key = index.page_keys[page]
+            if key is not None and not self._is_known(space, key, now):
+                pairs.append((key, page))
+        self._enqueue(space, pairs)
+
+    def remote_prefix(self, ns: Namespace, keys: tuple[bytes, ...], wait: bool) -> int | Future:
+        """How many leading ``keys`` the cluster holds: now from what is known, or a Future."""
+        space = self._space(ns)
+        now = time.monotonic()
+        known = 0
+        while known < len(keys) and self._is_known(space, keys[known], now):
+            known += 1
+        self.counters["remote_lookups"] += 1
+        rest = keys[known:]
+        if not rest or self._down(now):
+            return known
+        if not wait:
+            self._submit(lambda: self._probe(space, rest[:MAX_PROBE_KEYS], known, None))
+            return known
+        fut: Future = Future()
+        self._submit(lambda: self._probe(space, rest, known, fut))
+        self._expire(fut, lambda: known)  # timed out: what is known, never an error
+        return fut
+
+    def prefetch(self, ns: Namespace, keys: tuple[bytes, ...], wait: bool) -> dict[str, Any] | Future:
+        """Promote the cluster's pages of ``keys`` into the namespace (see the module docstring)."""
+        space = self._space(ns)
+        index = ns.index
+        todo = [k for k in dict.fromkeys(keys) if not _is_committed(index, k)]
+        body: dict[str, Any] = {"queued": 0, "local": len(set(keys)) - len(todo), "promoted": 0,
+                                "missing": 0, "refused": 0, "busy": 0, "missing_keys": []}
+        if not todo:
+            return body
+        if self._down(time.monotonic()):
+            if wait:
+                raise WireError(ErrorCode.CLUSTER_UNAVAILABLE,
+                                f"the cluster tier is down ({self.last_error}); retry later")
+            return body
+        if not wait:
+            body["queued"] = len(todo)
+            background = dict(body, missing_keys=[])  # the reply is sent now; the job counts apart
+            self._submit(lambda: self._promote(space, todo, background, None))
+            return body
+        fut: Future = Future()
+        self._submit(lambda: self._promote(space, todo, body, fut))
+        self._expire(fut, None)
+        return fut
+
+    def stats(self) -> dict[str, Any]:
+        c = self.config
+        out: dict[str, Any] = {"backend": c.backend, "state": self.state, "master": c.master,
+                               "protocol": c.protocol, "write_policy": c.write_policy,
+                               "replicas": c.replicas, "queue_pages": c.queue_pages,
+                               "queue_depth": len(self._queue), "known_remote_keys": len(self._known),
+                               "last_error": self.last_error}
+        out.update(self.counters)
+        return out
+
+    def _space(self, ns: Namespace) -> Space:
+        space = self._spaces.get(ns.name)
+        if space is None or space.ns is not ns:
+            if space is not None:  # the namespace was dropped and made again: forget the old one
+                with self._cond:
+                    self._queue = deque(e for e in self._queue if e[0] is not space)
+                    space.queued.clear()
+                # (its mapping goes with the last job still using it, never under one)
+            space = Space(ns, fmt.fingerprint(ns.name, ns.layout), RegionMap(ns.region_path, ns.geometry))
+            self._spaces[ns.name] = space
+        return space
+
+    def _enqueue(self, space: Space, pairs: list[tuple[bytes, int]]) -> None:
+        with self._cond:
+            for key, page in pairs:
+                if key in space.queued:
+                    continue
+                if len(self._queue) >= self.config.queue_pages:
+                    self.counters["dropped_pages"] += 1
+                    continue
+                self._queue.append((space, key, page))
+                space.queued.add(key)
+                self.counters["queued_pages"] += 1
+            self._cond.notify()
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        with self._cond:
+            self._urgent.append(job)
+            self._cond.notify()
+
+    def _expire(self, fut: Future, fallback: Callable[[], int] | None) -> None:
+        def expire() -> None:
+            if fut.done():
+                return
+            try:
+                if fallback is not None:
+                    fut.set_result(fallback())
+                else:
+                    fut.set_exception(WireError(
+                        ErrorCode.CLUSTER_UNAVAILABLE,
+                        f"the cluster did not answer within {self.config.timeout_s}s "
+                        "(cluster.timeout); the pages stay where they are"))
+            except InvalidStateError:
+                pass
+        assert self._loop is not None
+        self._loop.call_later(self.config.timeout_s, expire)
+
+    def _down(self, now: float) -> bool:
+        return self.state != "up" and now < self._down_until
+
+    def _is_known(self, space: Space, key: bytes, now: float) -> bool:
+        with self._cond:
+            until = self._known.get((space.ns.name, key))
+        return until is not None and until > now
+
+    def _learn(self, space: Space, keys: list[bytes]) -> None:
+        until = time.monotonic() + KNOWN_TTL_S
+        with self._cond:
+            for key in keys:
+                self._known[(space.ns.name, key)] = until
+                self._known.move_to_end((space.ns.name, key))
+            while len(self._known) > MAX_KNOWN_KEYS:
+                self._known.popitem(last=False)
+
+    # -- the loop side: what the worker asks of the index --
+
+    def _hold(self, batch: list[tuple[Space, bytes, int]]) -> list[tuple[Space, bytes, int, int]]:
+        held = []
+        for space, key, page in batch:
+            stamp = space.ns.index.hold_committed(key, page)
+            if stamp is None:
+                self.counters["skipped_pages"] += 1
+            else:
+                held.append((space, key, page, stamp))
+        return held
+
+    def _release(self, held: list[tuple[Space, bytes, int, int]]) -> None:
+        for space, _key, page, stamp in held:
+            space.ns.index.end_hold(page, stamp)
+
+    def _reserve(self, space: Space, keys: list[bytes]) -> tuple[list[tuple[bytes, int]], int]:
+        """Pages to fetch ``keys`` into, and how many keys someone else is writing."""
+        slots, _evicted = space.ns.index.reserve(tuple(keys), space.held)
+        mine = [(k, s) for k, s in zip(keys, slots) if s >= 0]
+        return mine, sum(1 for s in slots if s == -2)
+
+    def _settle(self, space: Space, good: list[tuple[bytes, int]], bad: list[tuple[bytes, int]]) -> None:
+        index = space.ns.index
+        for key, page in bad:
+            if space.held.pop(key, None) is not None:
+                index.abort(key, page)
+        for key, page in good:
+            if space.held.pop(key, None) is not None:
+                index.commit(key, page)
+
+    def _on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` on the event loop and wait for its result (worker thread only)."""
+        loop = self._loop
+        assert loop is not None
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # handed back to the worker
+                fut.set_exception(exc)
+        loop.call_soon_threadsafe(run)
+        deadline = time.monotonic() + LOOP_CALL_TIMEOUT_S
+        while True:
+            try:
+                return fut.result(timeout=0.1)
+            except TimeoutError:
+                if self._stopping or time.monotonic() > deadline:
+                    raise ClusterDown("the daemon's loop did not answer (stopping)") from None
+
+    # -- the worker thread --
+
+    def _run(self) -> None:
+        io = cluster_io.Worker(self)
+        while True:
+            with self._cond:
+                job: Callable[[], None] | None = None
+                while job is None and not self._stopping:
+                    now = time.monotonic()
+                    if self._backend is None and now < self._down_until:
+                        self._cond.wait(self._down_until - now)
+                    elif self._backend is None:
+                        job = io.connect
+                    elif self._urgent:
+                        job = self._urgent.popleft()
+                    elif self._queue and not self._down(now) and now >= self._queue_paused_until:
+                        job = io.take_batch()
+                    else:
+                        resume = max(self._down_until, self._queue_paused_until) - now
+                        self._cond.wait(max(0.01, resume) if self._queue else 1.0)
+                if self._stopping:
+                    break
+            try:
+                job()
+            except ClusterDown as exc:
+                self._mark_down(str(exc))
+            except Exception as exc:
+                self.counters["errors"] += 1
+                self._mark_down(f"{type(exc).__name__}: {exc}")
+                log.error("cluster worker: unexpected error; serving on", exc_info=True)
+        io.close()
+
+    def _mark_down(self, why: str) -> None:
+        if self.state != "down":
+            log.warning("cluster tier down: %s; the local tier serves on, retrying every %.1fs",
+                        why, DOWN_BACKOFF_S)
+        self.state = "down"
+        self.last_error = why
+        self._down_until = time.monotonic() + DOWN_BACKOFF_S
+
+    def _pause_queue(self) -> None:
+        self._queue_paused_until = time.monotonic() + DOWN_BACKOFF_S
+
+    def _mark_up(self) -> None:
+        if self.state != "up":
+            log.info("cluster tier up (%s at %s)", self.config.backend, self.config.master)
+        self.state = "up"
+
+    def _probe(self, space: Space, keys: tuple[bytes, ...], known: int, fut: Future | None) -> None:
+        try:
+            held = cluster_io.exist(self, space, list(keys))
+        except BaseException as exc:
+            _resolve(fut, known)
+            raise exc
+        lead = 0
+        while lead < len(held) and held[lead]:
+            lead += 1
+        self.counters["remote_keys"] += lead
+        _resolve(fut, known + lead)
+
+    def _promote(self, space: Space, keys: list[bytes], body: dict[str, Any], fut: Future | None) -> None:
+        try:
+            cluster_io.promote(self, space, keys, body)
+        except BaseException as exc:
+            if fut is not None and not fut.done():
+                try:
+                    fut.set_exception(WireError(ErrorCode.CLUSTER_UNAVAILABLE,
+                                                f"the cluster failed during prefetch: {exc}"))
+                except InvalidStateError:
+                    pass
+            raise
+        _resolve(fut, body)
+
+
+def _resolve(fut: Future | None, value: Any) -> None:
+    if fut is not None:
+        try:
+            fut.set_result(value)
+        except InvalidStateError:
+            pass  # already timed out
+
+
+def _is_committed(index: Any, key: bytes) -> bool:
+    page = index.keys.get(key)
+    return page is not None and index.state[page] == COMMITTED

@@ -1,0 +1,229 @@
+"""``HiSparseConnector``: vLLM 0.34's own HiSparse, with its host pool on a hisparsed namespace.
+
+Opt in with one flag set (the class keeps vLLM's name, which vLLM's config
+checks look for; ``kv_connector_module_path`` makes vLLM load ours), beside
+the OffloadingConnector that shares the indexer group's blocks::
+
+    --kv-transfer-config '{"kv_connector":"MultiConnector","kv_role":"kv_both",
+      "kv_connector_extra_config":{"connectors":[
+        {"kv_connector":"HiSparseConnector","kv_role":"kv_both",
+         "kv_connector_module_path":"hisparse.vllm.hisparse_connector",
+         "kv_connector_extra_config":{"host_pool_gib":64}},
+        {"kv_connector":"OffloadingConnector","kv_role":"kv_both",
+         "kv_connector_extra_config":{"spec_name":"HiSparseOffloadingSpec",
+                                      "spec_module_path":"hisparse.vllm"}}]}}'
+
+Every engine of the node that runs one model with this flag set draws its
+host blocks from one namespace (``host_region.derive_namespace``) through
+the daemon. Scheduler side: ``bind_kv_cache_manager`` lets vLLM build its
+coordinator, then swaps the host group's ``BlockPool`` for a
+``DaemonHostBlockPool`` and has every prefix lookup pin the other engines'
+pages it may hit first; ``build_connector_meta`` flushes the step's daemon
+work (one batch) and names the fence files the step's pages need. Worker
+side: the connector is built before vLLM allocates the KV cache, so it
+installs a ``RegionHostPool`` as this
+engine's host pool: vLLM's HiSparse kernels then read and write the region;
+``start_load_kv`` locks the step's fence files first (``fences.WorkerFences``).
+
+Extra config keys besides vLLM's ``host_pool_gib``: ``socket``,
+``namespace``, ``timeout_s``, ``hash_algo``, ``mirror_refresh_s``
+(``hisparse.vllm.config.AdapterConfig``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
+    HiSparseConnector as VllmHiSparseConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnectorMetadata
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
+
+from hisparse.vllm.config import AdapterConfig
+from hisparse.vllm.fences import WorkerFences
+from hisparse.vllm.host_region import (
+    HostGeometry,
+    check_geometry,
+    derive_namespace,
+    region_host_pool_class,
+)
+from hisparse.vllm.rpc import NamespaceOps
+from hisparse.vllm.versions import check_vllm_version
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HiSparsePoolMetadata(HiSparseConnectorMetadata):
+    """vLLM's step metadata plus the fence files whose pages the step may touch."""
+
+    fence_paths: tuple[str, ...] = ()
+
+
+def region_info(client: Any) -> dict[str, int]:
+    """The region a client mapped, in the fields ``check_geometry`` compares."""
+    g = client.session.region.geometry
+    lay = g.layout
+    return {"num_pages": g.num_pages, "num_layers": lay.num_layers, "block_tokens": lay.block_tokens,
+            "row_bytes": lay.row_bytes, "page_bytes": lay.page_bytes, "size_bytes": g.size_bytes,
+            "layer_stride_bytes": g.layer_stride_bytes}
+
+
+def attach_host_region(namespace: str, geometry: HostGeometry, settings: AdapterConfig, name: str) -> Any:
+    """Attach to the namespace (creating it at vLLM's host pool size) and check its geometry."""
+    from hisparse.client import attach
+
+    client = attach(namespace, geometry.layout, socket=settings.socket, capacity=geometry.region_bytes,
+                    timeout_s=settings.timeout_s, name=name)
+    try:
+        check_geometry(geometry, region_info(client), namespace)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+class HiSparseConnector(VllmHiSparseConnector):
+    """vLLM's ``HiSparseConnector`` over a hisparsed namespace (module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        check_vllm_version()
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.settings = AdapterConfig.from_extra_config(transfer.kv_connector_extra_config or {})
+        self.geometry = HostGeometry.from_kv_cache_config(kv_cache_config)
+        self.namespace = self.settings.namespace or derive_namespace(
+            model=str(vllm_config.model_config.model),
+            kv_cache_dtype=str(vllm_config.cache_config.cache_dtype), geometry=self.geometry,
+            hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
+            tp_size=vllm_config.parallel_config.tensor_parallel_size)
+        self.host_pool: Any = None
+        self._client: Any = None
+        self._worker_fences = WorkerFences()
+        if role == KVConnectorRole.WORKER:
+            self._install_worker_pool(vllm_config, kv_cache_config)
+        log.info("hisparse HiSparse host pool: namespace %r, %d pages of %d B", self.namespace,
+                 self.geometry.num_blocks, self.geometry.layout.page_bytes)
+
+    # -- worker --
+
+    def _install_worker_pool(self, vllm_config: Any, kv_cache_config: Any) -> None:
+        import torch
+        from vllm.v1.hisparse import runtime
+
+        self._client = attach_host_region(self.namespace, self.geometry, self.settings,
+                                          f"vllm hisparse worker {vllm_config.instance_id}")
+        device_index = torch.cuda.current_device() if torch.cuda.is_available() else None
+        pool_cls = region_host_pool_class()
+        # vLLM memoises the host pool per instance; it is first asked for it after
+        # this connector exists (Worker.initialize_from_config), so ours is the one.
+        runtime._host_pools[vllm_config.instance_id] = pool_cls(
+            vllm_config, kv_cache_config, client=self._client, geometry=self.geometry,
+            device_index=device_index)
+
+    # -- scheduler --
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self.connector_scheduler is not None and self.connector_scheduler.coordinator is not None
+        manager = self.connector_scheduler.coordinator.host_manager
+        assert manager is not None
+        self.host_pool = install_daemon_pool(manager, self.namespace, self.geometry, self.settings,
+                                             step_blocks=self._step_blocks(manager.block_size))
+        pin_before_lookups(kv_cache_manager.coordinator, manager, self.host_pool)
+        reserve_before_admission(manager, self.host_pool)
+
+    def _step_blocks(self, block_size: int) -> int:
+        sched = self._vllm_config.scheduler_config
+        return -(-int(sched.max_num_batched_tokens) // block_size) + int(sched.max_num_seqs)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        if self.host_pool is None:
+            return meta
+        self.host_pool.flush()
+        return HiSparsePoolMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)},
+                                    fence_paths=self.host_pool.fence_paths())
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # Before this step's kernels touch the region: its pages stay fenced even
+        # if the scheduler process dies while the step runs.
+        meta = self._get_connector_metadata()
+        self._worker_fences.update(getattr(meta, "fence_paths", ()))
+        super().start_load_kv(forward_context, **kwargs)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.host_pool is not None:
+            self.host_pool.close()
+        if self._client is not None:
+            self._client.close()
+        self._worker_fences.close()
+
+
+def install_daemon_pool(manager: Any, namespace: str, geometry: HostGeometry, settings: AdapterConfig,
+                        *, step_blocks: int) -> Any:
+    """Replace the ``SharedEventQueueBlockPool`` ``bind_host_pool`` gave ``manager`` by ours."""
+    from hisparse.vllm.hisparse_pool import DaemonHostBlockPool
+
+    old = manager.block_pool
+    if any(block.ref_cnt for block in old.blocks[1:]):
+        raise RuntimeError("the HiSparse host pool is already in use; swap it before the first request")
+    client = attach_host_region(namespace, geometry, settings, "vllm hisparse scheduler")
+    try:
+        pool = DaemonHostBlockPool(
+            NamespaceOps(client), num_blocks=old.num_gpu_blocks, step_blocks=step_blocks,
+            block_size=manager.block_size, enable_caching=old.enable_caching,
+            hash_block_size=old.hash_block_size, enable_kv_cache_events=old.enable_kv_cache_events,
+            event_owner=old._event_owner, metrics_collector=old.metrics_collector,
+            mirror_refresh_s=settings.mirror_refresh_s)
+    except BaseException:
+        client.close()
+        raise
+    manager.block_pool = pool
+    manager._null_block = pool.null_block
+    return pool
+
+
+def pin_before_lookups(kv_coordinator: Any, manager: Any, pool: Any) -> None:
+    """Have every prefix lookup pin the host pages of other engines it may hit, first.
+
+    vLLM walks a request's block hashes in ``find_longest_cache_hit``; the
+    host group's keys are those hashes at its block size plus its group id.
+    """
+    original = kv_coordinator.find_longest_cache_hit
+    group_id = manager.kv_cache_group_id
+    block_size = manager.block_size
+    hash_block_size = pool.hash_block_size
+
+    def find_longest_cache_hit(block_hashes: Any, max_cache_hit_length: int) -> Any:
+        hashes = resolve_block_hashes(block_hashes, hash_block_size, block_size)
+        count = min(len(hashes), max_cache_hit_length // block_size)
+        if count:
+            pool.pin_prefix([make_block_hash_with_group_id(hashes[i], group_id) for i in range(count)])
+        return original(block_hashes, max_cache_hit_length)
+
+    kv_coordinator.find_longest_cache_hit = find_longest_cache_hit
+
+
+def reserve_before_admission(manager: Any, pool: Any) -> None:
+    """Have the host group's admission check reserve what the allocation needs beyond the stock.
+
+    vLLM compares the blocks a request needs with ``get_num_free_blocks``;
+    the pool's stock covers one step of chunked prefill, and this covers a
+    larger allocation (a whole prompt, an import) with one reserve request.
+    """
+    original = manager.get_num_blocks_to_allocate
+    block_size = manager.block_size
+
+    def get_num_blocks_to_allocate(request_id: str, num_tokens: int, new_computed_blocks: Any,
+                                   *args: Any, **kwargs: Any) -> int:
+        held = len(manager.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
+        pool.ensure_free(-(-num_tokens // block_size) - held)
+        return original(request_id, num_tokens, new_computed_blocks, *args, **kwargs)
+
+    manager.get_num_blocks_to_allocate = get_num_blocks_to_allocate

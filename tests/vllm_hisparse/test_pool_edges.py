@@ -1,0 +1,81 @@
+"""DaemonHostBlockPool's edges: page 0, duplicate publication, stale mirror, one batch per step."""
+
+from __future__ import annotations
+
+import pytest
+
+
+PROMPT = list(range(100, 124))
+
+
+def test_page_zero_is_the_null_block_and_never_handed_out(sides):
+    a = sides(num_host_blocks=16, step_blocks=4)
+    a.pool._refill(64)  # everything the region has
+    assert 0 not in a.pool._stock and len(a.pool._stock) == 15
+    assert a.pool.null_block.block_id == 0 and a.pool.null_block.is_null
+    blocks = a.pool.get_new_blocks(15)
+    assert sorted(b.block_id for b in blocks) == list(range(1, 16))
+
+
+def test_a_block_published_twice_stays_private_and_goes_back_to_the_stock(sides):
+    a, b = sides(name="A"), sides(name="B")
+    ra, rb = a.add("ra", PROMPT), b.add("rb", PROMPT)
+    # both miss (neither published yet) and compute the same prompt
+    assert a.admit(ra) == 0 and b.admit(rb) == 0
+    a.write(ra)
+    b.write(rb)
+    a.publish(ra)
+    a.step()
+    b.publish(rb)
+    b.step()
+    assert a.pool.counters["published"] == 6
+    assert b.pool.counters["duplicates"] == 6 and b.pool.counters["published"] == 0
+    assert b.read_ok(rb, 24)  # B keeps reading its own copy
+    b_pages = set(b.host_blocks(rb))
+    b.finish(rb)
+    b.step()
+    assert b_pages <= set(b.pool._stock)  # duplicates are B's reservations again, no round trip
+    # B's next lookup finds A's published pages
+    again = b.add("rb2", PROMPT)
+    assert b.admit(again) == 20
+    assert set(b.host_blocks(again)[:5]) == set(a.host_blocks(ra)[:5])
+
+
+def test_a_page_evicted_since_the_mirror_saw_it_is_a_miss_never_a_foreign_page(sides):
+    a = sides(num_host_blocks=16, step_blocks=2, name="A")
+    b = sides(num_host_blocks=16, step_blocks=2, name="B")
+    ra = a.add("ra", PROMPT)
+    assert a.admit(ra) == 0
+    a.write(ra)
+    a.publish(ra)
+    a.step()
+    a.finish(ra)
+    a.step()
+    a.step()  # A's pages are unpinned: evictable
+    b.pool._mirror.refresh()
+    assert len(b.pool._mirror) == 6
+    b.pool._mirror.max_age_s = 1e9  # B's mirror goes stale
+    c = sides(num_host_blocks=16, step_blocks=2, name="C")
+    c.pool._refill(64)  # C takes every page it can: A's committed pages are evicted
+    rb = b.add("rb", PROMPT)
+    blocks, hit, _ = b.manager.get_computed_blocks(rb)
+    assert hit == 0 and b.pool.counters["lookup_pin_misses"] >= 1
+    assert b.pool._lookup == set()
+
+
+def test_a_long_request_costs_a_few_requests_not_one_per_block(sides):
+    a = sides(num_host_blocks=128, step_blocks=8, max_model_len=1024)
+    long = a.add("long", list(range(5000, 5000 + 4 * 100)))  # 100 blocks
+    assert a.admit(long) == 0
+    a.write(long)
+    a.publish(long)
+    a.step()
+    counters = a.pool.counters
+    assert counters["published"] == 100
+    assert counters["reserve_requests"] <= 3 and counters["publish_requests"] == 1
+    # and a second engine's hit on all of it: one pin request
+    b = sides(num_host_blocks=128, step_blocks=8, max_model_len=1024)
+    again = b.add("again", list(range(5000, 5000 + 4 * 100)))
+    assert b.admit(again) == 396
+    assert b.pool.counters["pin_requests"] == 1 and b.pool.counters["lookup_pins"] == 99
+    assert b.read_ok(again, 396)
