@@ -1,7 +1,7 @@
 """hisparse: a per-node KV-cache tier for sparse-attention LLM serving.
 
 ``hisparsed`` owns the node's host memory for KV pages; engines attach with
-``hisparse.client.attach()``. See DESIGN.md for the contract.
+``hisparse.client.attach()``. See docs/design.md for the contract.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from hisparse.errors import (
     InvalidArgument,
     LayoutMismatch,
     LeaseExpired,
+    MissingExtra,
     PermissionDenied,
     ProtocolError,
     QuotaExceeded,
@@ -46,6 +47,7 @@ __all__ = [
     "KVLayout",
     "LayoutMismatch",
     "LeaseExpired",
+    "MissingExtra",
     "PermissionDenied",
     "ProtocolError",
     "QuotaExceeded",

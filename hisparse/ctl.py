@@ -1,7 +1,12 @@
-"""``hisparsectl``: ping, stats, clear, drop and evict-session on a running hisparsed.
+"""``hisparsectl``: inspect and control a running hisparsed.
 
 ``clear``, ``drop`` and ``evict-session`` read the admin token the daemon wrote beside its socket
 (``hisparsed.token``, readable only by the daemon's user and root).
+
+Exit codes, for scripts: 0 done; 1 the daemon refused or failed the request;
+2 bad usage; 3 no daemon (no socket file, nothing listening on it, or no
+answer within ``--timeout``); 4 permission denied (the socket, the admin
+token, or a wrong token).
 """
 
 from __future__ import annotations
@@ -9,14 +14,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
+import time
 from typing import Any
 
-from hisparse import protocol
+from hisparse import ctlviews, protocol
 from hisparse.client.transport import Transport
-from hisparse.errors import DaemonUnavailable, HisparseError
+from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired, PermissionDenied
 from hisparse.layout import format_size
 from hisparse.paths import default_socket_path
+
+EXIT_OK = 0
+EXIT_REFUSED = 1  # the daemon answered with an error
+EXIT_USAGE = 2  # argparse's own code
+EXIT_NO_DAEMON = 3
+EXIT_PERMISSION = 4
 
 
 class Control:
@@ -34,10 +47,19 @@ class Control:
         self.session: int | None = None
 
     def call(self, op: protocol.Op, **fields: Any) -> dict[str, Any]:
+        try:
+            return self._call(op, **fields)
+        except LeaseExpired:
+            # An admin session silent past the lease (``top`` with a long
+            # interval, a daemon restart): open a new one, once.
+            self.session = None
+            return self._call(op, **fields)
+
+    def _call(self, op: protocol.Op, **fields: Any) -> dict[str, Any]:
         if op not in protocol.SESSIONLESS_OPS:
             if self.session is None:
-                self.session = self.call(protocol.Op.HELLO, client=f"hisparsectl pid {os.getpid()}",
-                                         token=self.token)["session"]
+                self.session = self._call(protocol.Op.HELLO, client=f"hisparsectl pid {os.getpid()}",
+                                          token=self.token)["session"]
             fields["session"] = self.session
         try:
             return self._transport.call(op, self.timeout_s, **fields)
@@ -60,76 +82,54 @@ def read_token(socket_path: str, token_file: str | None) -> str:
         with open(path) as f:
             return f.read().strip()
     except PermissionError:
-        raise HisparseError(f"cannot read the admin token {path}: run as the daemon's user or root") from None
+        raise PermissionDenied(f"cannot read the admin token {path}: run as the daemon's user or root") from None
     except FileNotFoundError:
         raise HisparseError(f"no admin token at {path}: is hisparsed running on {socket_path}?") from None
 
 
-def format_cluster(c: dict[str, Any]) -> str:
-    """One line for the cluster tier (``[cluster]``), or that there is none."""
-    if c.get("backend", "none") == "none":
-        return "cluster: off"
-    line = (f"cluster: {c['backend']} at {c['master']} ({c['protocol']}) {c['state']}, "
-            f"{c['write_policy']}, queue {c['queue_depth']}/{c['queue_pages']}, "
-            f"put {c['put_pages']} pages ({format_size(c['put_bytes'])}), dropped {c['dropped_pages']}, "
-            f"promoted {c['promoted_pages']}, refused {c['refused_pages']}")
-    return line + (f"; last error: {c['last_error']}" if c["state"] != "up" and c["last_error"] else "")
+def check_socket(path: str) -> None:
+    """Fail fast, before ZeroMQ would wait out the timeout, when no daemon can be there."""
+    if not os.path.exists(path):
+        raise DaemonUnavailable(f"no hisparsed socket at {path}: is the daemon running? "
+                                "(--socket PATH or HISPARSE_SOCKET pick another)")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except PermissionError:
+        raise PermissionDenied(f"may not connect to {path}: join the daemon's group "
+                               "(usermod -aG hisparse $USER) or run as its user") from None
+    except ConnectionRefusedError:
+        raise DaemonUnavailable(f"{path} exists but nothing listens on it: hisparsed is not "
+                                "running (a crashed daemon leaves its socket)") from None
+    except OSError as exc:
+        raise DaemonUnavailable(f"cannot connect to {path}: {exc.strerror or exc}") from None
+    finally:
+        probe.close()
 
 
-def format_stats(stats: dict[str, Any]) -> str:
-    d = stats["daemon"]
-    lines = [
-        f"hisparsed {d['version']} pid {d['pid']} up {d['uptime_s']:.0f}s, "
-        f"{d['sessions']} sessions, lease ttl {d['lease_ttl_s']}s",
-        f"regions: capacity {format_size(d['capacity_bytes'])}, "
-        f"used {format_size(d['allocated_bytes'])}, free {format_size(d['unallocated_bytes'])}, "
-        f"evictions {d['evicted_pages']}",
-        format_cluster(d.get("cluster") or {"backend": "none"}),
-        "",
-    ]
-    header = ("namespace", "pages", "committed", "bytes", "pinned", "writing", "free", "hit rate",
-              "evicted", "sessions")
-    rows = [header]
-    for name, ns in sorted(stats["namespaces"].items()):
-        rows.append((name, str(ns["num_pages"]), str(ns["committed_pages"]),
-                     format_size(ns["committed_bytes"]), str(ns["pinned_pages"]),
-                     str(ns["writing_pages"]), str(ns["free_pages"]),
-                     f"{100 * ns['hit_rate']:.1f}%", str(ns["evicted_pages"]), str(ns["sessions"])))
-    if len(rows) == 1:
-        lines.append("(no namespaces)")
-        return "\n".join(lines)
-    lines += _table(rows)
-    sessions = stats.get("sessions") or []
-    if sessions:
-        lines += ["", "sessions (fenced: ended, pages kept until its processes exit or let go;"
-                  " `hisparsectl evict-session HANDLE` frees them now):"]
-        srows = [("handle", "state", "namespace", "pids", "age", "idle", "reserved", "pinned",
-                  "fenced", "client")]
-        for s in sorted(sessions, key=lambda s: (s["state"], s["namespace"], s["handle"])):
-            srows.append((s["handle"], s["state"], s["namespace"],
-                          ",".join(map(str, s["pids"])) or "-", f"{s['age_s']:.0f}s",
-                          f"{s['idle_s']:.0f}s", str(s["reserved_pages"]), str(s["pinned_pages"]),
-                          str(s["fenced_pages"]), s["client"][:40]))
-        lines += _table(srows)
-    return "\n".join(lines)
-
-
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                      enumerate(zip(r, widths))).rstrip() for r in rows]
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hisparsectl", description="control a running hisparsed")
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hisparsectl", description="inspect and control a running hisparsed",
+        epilog="exit codes: 0 done, 1 refused by the daemon, 2 bad usage, 3 no daemon, "
+               "4 permission denied")
     p.add_argument("--socket", metavar="PATH", help="default: $HISPARSE_SOCKET, /run/hisparsed/"
                    "hisparsed.sock, or the embedded default")
     p.add_argument("--token-file", metavar="PATH", help="default: hisparsed.token beside the socket")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="wait this long for an answer (default 5)")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("ping", help="is the daemon up")
     st = sub.add_parser("stats", help="per-namespace and region counters")
-    st.add_argument("--json", action="store_true", help="machine-readable")
+    st.add_argument("--json", action="store_true", help="machine-readable: the whole stats reply")
+    sub.add_parser("namespaces", help="each namespace's layout, region size and use")
+    sub.add_parser("sessions", help="open sessions: client, age, silence, reservations, pins")
+    top = sub.add_parser("top", help="a refreshing view of use and rates (Ctrl-C quits)")
+    top.add_argument("--interval", type=float, default=2.0, metavar="SECONDS", help="default 2")
+    top.add_argument("--count", type=int, default=0, metavar="N",
+                     help="stop after N screens (default: until interrupted)")
+    me = sub.add_parser("metrics", help="the Prometheus text the metrics endpoint serves")
+    me.add_argument("--address", metavar="PATH|HOST:PORT",
+                    help="default: the daemon's metrics_address, asked over the socket")
     cl = sub.add_parser("clear", help="drop every committed page of a namespace")
     cl.add_argument("namespace")
     dr = sub.add_parser("drop", help="remove a namespace and its region; its memory goes back "
@@ -138,44 +138,109 @@ def main(argv: list[str] | None = None) -> int:
     dr.add_argument("--force", action="store_true", help="also end the sessions attached to it")
     ev = sub.add_parser("evict-session", help="free a live or fenced session's pages now "
                         "(its process, if alive, may still write into them: your call)")
-    ev.add_argument("handle", help="the 8-hex-digit handle `stats` shows")
-    args = p.parse_args(argv)
+    ev.add_argument("handle", help="the 8-hex-digit handle that hisparsectl sessions shows")
+    return p
+
+
+def _top(ctl: Control, interval_s: float, count: int) -> None:
+    previous = None
+    shown = 0
+    clear = sys.stdout.isatty()
+    while True:
+        stats = ctl.call(protocol.Op.STATS)
+        screen = ctlviews.format_top(stats, previous, interval_s)
+        print(("\x1b[H\x1b[2J" if clear else "") + screen + ("" if clear else "\n"), flush=True)
+        previous = stats
+        shown += 1
+        if count and shown >= count:
+            return
+        time.sleep(interval_s)
+
+
+def _metrics(ctl: Control, address: str | None) -> None:
+    if address is None:
+        address = ctl.call(protocol.Op.STATS)["daemon"].get("metrics_address", "")
+        if not address:
+            raise HisparseError("this hisparsed serves no metrics (metrics_address = \"\"); "
+                                "set metrics_address in its config, or pass --address")
+    try:
+        sys.stdout.write(ctlviews.scrape(address, ctl.timeout_s))
+    except PermissionError:
+        raise PermissionDenied(f"may not connect to the metrics socket {address}: join the "
+                               "daemon's group") from None
+    except OSError as exc:
+        raise DaemonUnavailable(f"no metrics from {address}: {exc}") from None
+
+
+def _run(ctl: Control, args: argparse.Namespace, socket_path: str) -> None:
+    if args.command == "ping":
+        r = ctl.call(protocol.Op.PING)
+        print(f"hisparsed {r['version']} (protocol {r['protocol']}) pid {r['pid']} "
+              f"up {r['uptime_s']:.1f}s on {socket_path}")
+    elif args.command == "stats":
+        stats = ctl.call(protocol.Op.STATS)
+        print(json.dumps(stats, indent=2, sort_keys=True) if args.json else ctlviews.format_stats(stats))
+    elif args.command == "namespaces":
+        print(ctlviews.format_namespaces(ctl.call(protocol.Op.STATS)))
+    elif args.command == "sessions":
+        print(ctlviews.format_sessions(ctl.call(protocol.Op.STATS)))
+    elif args.command == "top":
+        _top(ctl, args.interval, args.count)
+    elif args.command == "metrics":
+        _metrics(ctl, args.address)
+    elif args.command == "clear":
+        token = read_token(socket_path, args.token_file)
+        r = ctl.call(protocol.Op.CLEAR, namespace=args.namespace, token=token)
+        print(f"cleared {args.namespace!r}: {r['freed_pages']} pages freed, "
+              f"{r['doomed_pages']} freed when their pins are released")
+    elif args.command == "drop":
+        token = read_token(socket_path, args.token_file)
+        r = ctl.call(protocol.Op.DROP, namespace=args.namespace, token=token,
+                     force=True if args.force else None)
+        print(f"dropped {args.namespace!r}: {format_size(r['freed_bytes'])} back to the capacity, "
+              f"{r['ended_sessions']} sessions ended")
+    elif args.command == "evict-session":
+        token = read_token(socket_path, args.token_file)
+        r = ctl.call(protocol.Op.EVICT_SESSION, target=args.handle, token=token)
+        print(f"evicted session {args.handle}: {r['freed_pages']} fenced pages freed, "
+              f"{r['released_pins']} pins released")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     socket_path = args.socket or default_socket_path()
+    try:
+        check_socket(socket_path)
+    except HisparseError as exc:
+        print(f"hisparsectl: {exc}", file=sys.stderr)
+        return exit_code(exc)
     try:  # the daemon's user and root see every namespace; others the open ones
         quiet_token: str | None = read_token(socket_path, args.token_file)
     except HisparseError:
         quiet_token = None
-    ctl = Control(socket_path, args.timeout, quiet_token)
     try:
-        if args.command == "ping":
-            r = ctl.call(protocol.Op.PING)
-            print(f"hisparsed {r['version']} (protocol {r['protocol']}) pid {r['pid']} "
-                  f"up {r['uptime_s']:.1f}s on {socket_path}")
-        elif args.command == "stats":
-            stats = ctl.call(protocol.Op.STATS)
-            print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_stats(stats))
-        elif args.command == "clear":
-            token = read_token(socket_path, args.token_file)
-            r = ctl.call(protocol.Op.CLEAR, namespace=args.namespace, token=token)
-            print(f"cleared {args.namespace!r}: {r['freed_pages']} pages freed, "
-                  f"{r['doomed_pages']} freed when their pins are released")
-        elif args.command == "drop":
-            token = read_token(socket_path, args.token_file)
-            r = ctl.call(protocol.Op.DROP, namespace=args.namespace, token=token,
-                         force=True if args.force else None)
-            print(f"dropped {args.namespace!r}: {format_size(r['freed_bytes'])} back to the capacity, "
-                  f"{r['ended_sessions']} sessions ended")
-        elif args.command == "evict-session":
-            token = read_token(socket_path, args.token_file)
-            r = ctl.call(protocol.Op.EVICT_SESSION, target=args.handle, token=token)
-            print(f"evicted session {args.handle}: {r['freed_pages']} fenced pages freed, "
-                  f"{r['released_pins']} pins released")
-        return 0
+        ctl = Control(socket_path, args.timeout, quiet_token)
     except HisparseError as exc:
         print(f"hisparsectl: {exc}", file=sys.stderr)
-        return 1
+        return exit_code(exc)
+    try:
+        _run(ctl, args, socket_path)
+        return EXIT_OK
+    except HisparseError as exc:
+        print(f"hisparsectl: {exc}", file=sys.stderr)
+        return exit_code(exc)
+    except KeyboardInterrupt:
+        return EXIT_OK
     finally:
         ctl.close()
+
+
+def exit_code(exc: HisparseError) -> int:
+    if isinstance(exc, DaemonUnavailable):
+        return EXIT_NO_DAEMON
+    if isinstance(exc, PermissionDenied):
+        return EXIT_PERMISSION
+    return EXIT_REFUSED
 
 
 if __name__ == "__main__":

@@ -100,10 +100,11 @@ def _engine_process(args: argparse.Namespace, name: str, socket: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hisparse demo", description=__doc__.split("\n\n")[1])
-    p.add_argument("--layers", type=int, default=78)
-    p.add_argument("--block-tokens", type=int, default=64)
-    p.add_argument("--row-bytes", type=int, default=656)
+    p = argparse.ArgumentParser(prog="hisparse demo", description=__doc__.split("\n\n")[1].replace("``", ""))
+    p.add_argument("--layers", type=int, default=78, help="layers per page (default 78: GLM-5.x)")
+    p.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default 64)")
+    p.add_argument("--row-bytes", type=int, default=656,
+                   help="bytes per token per layer (default 656: fp8_ds_mla)")
     p.add_argument("--prefix-pages", type=int, default=32, help="shared prefix, in blocks")
     p.add_argument("--suffix-pages", type=int, default=8, help="each engine's own blocks")
     p.add_argument("--engine", help=argparse.SUPPRESS)

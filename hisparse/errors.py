@@ -53,6 +53,10 @@ class PermissionDenied(HisparseError):
     """An admin op was sent without the daemon's admin token."""
 
 
+class MissingExtra(HisparseError, ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
+
+
 __all__ = [
     "CapacityError",
     "ClusterUnavailable",
@@ -61,6 +65,7 @@ __all__ = [
     "InvalidArgument",
     "LayoutMismatch",
     "LeaseExpired",
+    "MissingExtra",
     "PermissionDenied",
     "ProtocolError",
     "QuotaExceeded",

@@ -365,7 +365,7 @@ def _hello(op: Op, rid: int, msg: dict[str, Any]) -> HelloRequest:
     layout_raw = _field(msg, "layout", (dict,), optional=True)
     capacity = _field(msg, "capacity_bytes", (int,), optional=True)
     if capacity is None and msg.get("capacity") is not None:
-        # DESIGN.md's attach() says ``capacity`` (bytes or "384GiB"): take it too.
+        # docs/design.md's attach() says ``capacity`` (bytes or "384GiB"): take it too.
         try:
             capacity = parse_size(_field(msg, "capacity", (int, str)))
         except errors.InvalidArgument as exc:

@@ -38,6 +38,7 @@ from hisparse.client.fence import Fence
 from hisparse.client.pins import Pin
 from hisparse.client.regions import acquire_region, release_region
 from hisparse.client.transport import Transport, default_socket_path
+from hisparse.extras import require
 from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired, ProtocolError, Timeout
 from hisparse.layout import KVLayout, parse_size
 from hisparse.paths import read_access_key
@@ -478,7 +479,7 @@ class Client:
         Host row id = ``page * block_tokens + t``. ``device="cuda"`` gives the
         slab's device-mapped (UVA) view, registering the region on first use.
         """
-        import torch
+        torch = require("torch", "Client.layer_rows()")
 
         region = self._current().region
         rows = region.layer_rows(layer)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hisparse.extras import require
 from hisparse.errors import InvalidArgument, LeaseExpired
 
 if TYPE_CHECKING:
@@ -76,8 +77,7 @@ class Pin:
 
         The view aliases shared memory that other engines read: never write to it.
         """
-        import torch
-
+        torch = require("torch", "Pin.view()")
         self._check_held()
         if not -self.count <= i < self.count:
             raise IndexError(f"pin holds {self.count} pages, no page {i}")

@@ -43,7 +43,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+try:
+    import torch
+except ImportError as _exc:
+    from hisparse.extras import missing
+
+    raise missing("torch", "hisparse.client.sparse (the sparse tier)") from _exc
 
 from hisparse.client.client import Client, ClientSession
 from hisparse.client.pins import Pin

@@ -21,6 +21,8 @@ from hisparse.paths import SYSTEM_SOCKET, daemon_default_socket_path  # noqa: F4
 
 MIN_LEASE_TTL_S = 1.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+METRICS_SOCKET_NAME = "hisparsed.metrics.sock"
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
 
 
 class ConfigError(HisparseError):
@@ -87,6 +89,7 @@ class Config:
     log_level: str = "INFO"
     admin_token_file: str | None = None  # None: hisparsed.token beside the socket
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    metrics_address: str | None = None  # None: hisparsed.metrics.sock beside the socket; "": off
     fresh: bool = False  # flag only: drop every region and table left by an earlier run
     config_file: str | None = None
     # What env and flags said at start: SIGHUP re-applies them over the file.
@@ -101,6 +104,18 @@ class Config:
     def token_path(self) -> str:
         return self.admin_token_file or os.path.join(os.path.dirname(self.socket), "hisparsed.token")
 
+    @property
+    def metrics_endpoint(self) -> str:
+        """Where the Prometheus endpoint listens: a unix socket path, HOST:PORT, or "" (off).
+
+        The default sits beside the socket; where that path is too long for a
+        unix socket, the default is off rather than a reason not to start.
+        """
+        if self.metrics_address is None:
+            path = os.path.join(os.path.dirname(self.socket), METRICS_SOCKET_NAME)
+            return path if len(os.fsencode(path)) <= UNIX_PATH_MAX else ""
+        return self.metrics_address
+
     def summary(self) -> str:
         """One line for the start-up log: the config in force."""
         ns = ", ".join(f"{n}={format_size(c.capacity_bytes) if c.capacity_bytes else 'unsized'}"
@@ -112,6 +127,8 @@ class Config:
                 f"session_pin_share={self.session_pin_share} "
                 f"session_reserve_share={self.session_reserve_share} "
                 f"lease_ttl={self.lease_ttl_s}s log_level={self.log_level} fresh={self.fresh} "
+                f"metrics={self.metrics_endpoint or 'off'}"
+                f"{' (the default beside the socket is too long a path)' if self.metrics_address is None and not self.metrics_endpoint else ''} "
                 f"namespaces=[{ns}] {self.cluster.summary()} "
                 f"config={self.config_file or '(embedded defaults)'}")
 
@@ -170,6 +187,25 @@ def _level(key: str, value: Any) -> str:
     return value.upper()
 
 
+def _metrics_address(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: must be a string (a unix socket path, HOST:PORT, or \"\" for off), "
+                          f"not {value!r}")
+    if value in ("", "off"):
+        return ""
+    if value.startswith("/") or value.startswith("~"):
+        path = os.path.abspath(os.path.expanduser(value))
+        if len(os.fsencode(path)) > UNIX_PATH_MAX:
+            raise ConfigError(f"{key}: {path} is longer than a unix socket path may be "
+                              f"({UNIX_PATH_MAX} bytes)")
+        return path
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{key}: {value!r} is neither an absolute unix socket path nor HOST:PORT "
+                          "(e.g. 127.0.0.1:9477); \"\" turns metrics off")
+    return value
+
+
 _KEYS: dict[str, tuple[str, Any]] = {
     "socket": ("socket", _path),
     "shm_dir": ("shm_dir", _path),
@@ -183,6 +219,7 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "lease_ttl": ("lease_ttl_s", _ttl),
     "log_level": ("log_level", _level),
     "admin_token_file": ("admin_token_file", _path),
+    "metrics_address": ("metrics_address", _metrics_address),
 }
 RELOADABLE = ("lease_ttl_s", "log_level", "session_pin_share", "session_reserve_share")
 

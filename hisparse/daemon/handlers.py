@@ -24,6 +24,7 @@ from hisparse.daemon.access import AccessControl
 from hisparse.daemon.config import Config
 from hisparse.daemon.governance import check_pin_quota, handle_drop, reserve_room
 from hisparse.daemon.namespaces import Namespace, Registry
+from hisparse.daemon.opstats import OpStats
 from hisparse.daemon.sessions import PinHold, Session, SessionTable, Zombie
 from hisparse.daemon.proclocks import lock_holders
 from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch
@@ -64,6 +65,7 @@ class DaemonContext:
     cluster: Any = None  # hisparse.daemon.cluster.ClusterTier when [cluster] is on
     requests_total: int = 0
     errors_total: int = 0
+    opstats: OpStats = field(default_factory=OpStats)
     transport_stats: Callable[[], dict[str, int]] = lambda: {}
     access: AccessControl | None = None  # None: every namespace open (no prepare)
     privileged: set[int] = field(default_factory=set)  # admin sessions that showed the token
@@ -347,7 +349,8 @@ def handle_bye(ctx: DaemonContext, session: Session, req: Request) -> dict[str, 
 def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str, Any]:
     namespaces = {}
     ctx.privileged &= ctx.sessions.sessions.keys()
-    sees_all = session.id in ctx.privileged or ctx.access is None
+    # session None: the metrics endpoint, an operator's view (its unix socket is 0600)
+    sees_all = session is None or session.id in ctx.privileged or ctx.access is None
     for name, ns in ctx.registry.namespaces.items():
         if not sees_all and ctx.access.restricted(name) and session.namespace is not ns:  # type: ignore[union-attr]
             continue  # a group's namespace: shown to its own sessions and to the admin
@@ -363,6 +366,7 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
         "sessions": len(ctx.sessions.sessions),
         "sessions_expired": ctx.sessions.expired_total,
         "lease_ttl_s": ctx.sessions.lease_ttl_s,
+        "metrics_address": ctx.config.metrics_endpoint,
         "requests": ctx.requests_total, "errors": ctx.errors_total,
         "evicted_pages": sum(ns.index.counters.evicted_pages for ns in ctx.registry.namespaces.values()),
         "fenced_sessions": len(ctx.sessions.zombies),
@@ -372,7 +376,7 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
     daemon.update(ctx.transport_stats())
     daemon["cluster"] = ctx.cluster.stats() if ctx.cluster is not None else {"backend": "none"}
     body: dict[str, Any] = {"daemon": daemon, "namespaces": namespaces}
-    if session.namespace is None:  # hisparsectl: who holds what, stalled ones included
+    if session is not None and session.namespace is None:  # hisparsectl: who holds what, stalled ones included
         body["sessions"] = [row for row in _session_rows(ctx) if row["namespace"] in namespaces]
     return body
 

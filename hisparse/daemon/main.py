@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lease-ttl", metavar="SECONDS", help="silence after which a session expires")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument("--admin-token-file", metavar="PATH", help="default: hisparsed.token beside the socket")
+    p.add_argument("--metrics-address", metavar="PATH|HOST:PORT",
+                   help="Prometheus endpoint: a unix socket path or HOST:PORT; \"\" turns it off "
+                   "(default: hisparsed.metrics.sock beside the socket)")
     p.add_argument("--fresh", action="store_true", help="drop every region an earlier run left")
     return p.parse_args(argv)
 
@@ -243,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
              "default_namespace_capacity": args.default_namespace_capacity,
              "admin_token_file": args.admin_token_file, "min_page_bytes": args.min_page_bytes,
              "max_namespaces": args.max_namespaces, "session_pin_share": args.session_pin_share,
-             "session_reserve_share": args.session_reserve_share}
+             "session_reserve_share": args.session_reserve_share,
+             "metrics_address": args.metrics_address}
     try:
         cfg = config_mod.build(args.config, flags=flags, fresh=args.fresh)
     except HisparseError as exc:

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 0.2
 EVICTION_LOG_INTERVAL_S = 5.0
+LAG_INTERVAL_S = 0.5
 MAX_BATCH = 256  # messages handled per reader callback before yielding to timers
 MAX_BATCH_S = 0.02  # ... or this long, so timers and signals run under a flood
 # Per connection: a flooding peer has at most RCVHWM requests queued in the
@@ -45,12 +46,15 @@ MAX_WIRE_MESSAGE_BYTES = 2 * protocol.MAX_FRAME_BYTES
 def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"") -> bytes | tuple[int | None, Deferred]:
     """One request frame from connection ``peer`` in, one reply frame out (or a ``Deferred``
     to finish later). Never raises."""
+    started_ns = time.perf_counter_ns()
     ctx.requests_total += 1
     ctx.peer = peer
     rid: int | None = None
+    op = "invalid"  # the frame did not decode to a request
     try:
         req = protocol.decode_request(frame)
         rid = req.id
+        op = req.op.value
         session = None
         if req.op not in protocol.SESSIONLESS_OPS:
             session = ctx.sessions.get(req.session, peer)  # type: ignore[arg-type]
@@ -64,9 +68,15 @@ def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"") -> bytes | tup
                       session.handle if session else "-")
         body = HANDLERS[req.op](ctx, session, req)
         if isinstance(body, Deferred):
+            # the request's latency runs until the work off the loop is done
+            body.future.add_done_callback(
+                lambda _, op=op: ctx.opstats.observe(op, time.perf_counter_ns() - started_ns))
             return rid, body
-        return protocol.encode_ok(rid, body)
+        reply = protocol.encode_ok(rid, body)
+        ctx.opstats.observe(op, time.perf_counter_ns() - started_ns)
+        return reply
     except WireError as exc:
+        ctx.opstats.observe(op, time.perf_counter_ns() - started_ns)
         return _refusal(ctx, frame, rid, exc)
     except Exception as exc:
         return _internal(ctx, frame, rid, exc)
@@ -90,6 +100,7 @@ def finish(ctx: DaemonContext, rid: int | None, deferred: Deferred, future) -> b
 
 def _refusal(ctx: DaemonContext, frame: bytes, rid: int | None, exc: WireError) -> bytes:
     ctx.errors_total += 1
+    ctx.opstats.error(exc.code.value)
     if rid is None:
         rid = protocol.request_id(frame)
     log.debug("refused request id=%s: %s %s", rid, exc.code.value, exc.message)
@@ -98,6 +109,7 @@ def _refusal(ctx: DaemonContext, frame: bytes, rid: int | None, exc: WireError) 
 
 def _internal(ctx: DaemonContext, frame: bytes, rid: int | None, exc: Exception) -> bytes:
     ctx.errors_total += 1
+    ctx.opstats.error(ErrorCode.INTERNAL.value)
     log.error("internal error handling request id=%s", rid, exc_info=exc)
     return protocol.encode_error(rid if rid is not None else protocol.request_id(frame),
                                  ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -153,12 +165,21 @@ class Server:
             for sig, reason in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
                 loop.add_signal_handler(sig, self.stop, reason)
             loop.add_signal_handler(signal.SIGHUP, self._reload)
+        metrics = None
+        if self.ctx.config.metrics_endpoint:
+            from hisparse.daemon.metrics import MetricsServer
+
+            metrics = MetricsServer(self.ctx, self.ctx.config.metrics_endpoint)
         timers = [asyncio.create_task(self._reaper()), asyncio.create_task(self._eviction_log()),
-                  asyncio.create_task(self.outbox.run()),
-                  asyncio.create_task(self._ready_then_watchdog(on_ready))]
+                  asyncio.create_task(self._loop_lag()), asyncio.create_task(self.outbox.run())]
         try:
+            if metrics is not None:
+                await metrics.start()  # before READY: a bad address stops the start
+            timers.append(asyncio.create_task(self._ready_then_watchdog(on_ready)))
             await self._stopping.wait()
         finally:
+            if metrics is not None:
+                await metrics.close()
             loop.remove_reader(fd)
             if signals:
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -250,6 +271,14 @@ class Server:
                 self._reap()
             except Exception:
                 log.error("error in the lease reaper; serving on", exc_info=True)
+
+    async def _loop_lag(self) -> None:
+        """How late a timer fires: the event loop's lag, for the metrics."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due_s = loop.time() + LAG_INTERVAL_S
+            await asyncio.sleep(LAG_INTERVAL_S)
+            self.ctx.opstats.lag(max(0, int((loop.time() - due_s) * 1e9)))
 
     def _reap(self) -> None:
         sessions = self.ctx.sessions

@@ -1,6 +1,6 @@
 """The fused sparse-tier resolver: ``resolve`` (Triton) and ``resolve_reference`` (torch).
 
-DESIGN.md, "Sparse tier", is the contract; ``reference.py`` is its executable
+docs/design.md, "Sparse tier", is the contract; ``reference.py`` is its executable
 definition, ``resolve.py`` the Triton kernel, ``unfused.py`` the torch
 baseline that benchmarks compare against, ``equiv.py`` the equivalence check.
 
@@ -15,7 +15,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-import torch
+try:
+    import torch
+except ImportError as _exc:
+    from hisparse.extras import missing
+
+    raise missing("torch", "hisparse.kernels (the sparse resolver)") from _exc
 
 from hisparse.kernels.reference import resolve_reference
 

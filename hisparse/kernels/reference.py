@@ -1,4 +1,4 @@
-"""The executable definition of one sparse-tier resolve step (DESIGN.md, "Sparse tier").
+"""The executable definition of one sparse-tier resolve step (docs/design.md, "Sparse tier").
 
 ``resolve_reference`` is plain torch, one request at a time, written to be read
 rather than to be fast. The Triton kernel (``resolve``) and the unfused torch

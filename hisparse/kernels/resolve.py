@@ -189,7 +189,7 @@ def resolve(
     copy_rows: int = 32,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Resolve ``topk`` into physical rows (see the module docstring and DESIGN.md).
+    """Resolve ``topk`` into physical rows (see the module docstring and docs/design.md).
 
     ``out=(phys_rows, counters)``: contiguous int32 ``[B, Q, K]`` and ``[B, 4]``
     written in place, so that the launch allocates nothing.

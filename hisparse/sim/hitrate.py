@@ -15,7 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+try:
+    import torch
+except ImportError as _exc:
+    from hisparse.extras import missing
+
+    raise missing("torch", "the measured miss rate (hisparse plan --measure-miss-rate)") from _exc
 
 from hisparse.kernels import resolve_reference
 from hisparse.sim.trace import TopkTrace, TraceParams

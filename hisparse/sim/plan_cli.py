@@ -4,38 +4,50 @@ simulation, print a table (or ``--json``), draw ``--plot``.
 Scenarios (``--scenario``): ``glm53-8xh200`` (the published setup, the
 default), ``glm53-8xh200-shared-pool`` (one hisparsed pool for 8 DP
 replicas against 8 private pools), ``glm5-1m`` (1M-token context, TP8
-against DP-attention). Flags override a scenario's inputs.
+against DP-attention). Flags override a scenario's inputs; ``--model`` and
+``--gpu`` pick presets (``hisparse.sim.presets``). The published GLM-5.3
+figures are shown only for the setup they were measured on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict, replace
 from typing import Any
 
+from hisparse.errors import MissingExtra
 from hisparse.sim import des, plan
-from hisparse.sim.presets import GiB, MODELS, SCENARIOS, HostConfig, Scenario
+from hisparse.sim.presets import GPUS, MODELS, SCENARIOS, GiB, HostConfig, Scenario, gpu_named
 
 PUBLISHED_C32 = {"baseline": (5.0, 6.0), "hisparse": (19.0, 25.0)}
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hisparse plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenario", default="glm53-8xh200", choices=sorted(SCENARIOS))
+    p = argparse.ArgumentParser(
+        prog="hisparse plan",
+        description="Capacity planner: running requests, host memory and PCIe time per decode step "
+                    "of a node serving a sparse-attention model, with and without the sparse tier, "
+                    "from a closed-form model and a discrete-event simulation.",
+        epilog="docs/planner.md derives every formula.")
+    p.add_argument("--scenario", default="glm53-8xh200", choices=sorted(SCENARIOS),
+                   help="workload and setup to start from (default glm53-8xh200, the published one)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--plot", metavar="FILE.png", help="draw running requests against concurrency")
+    p.add_argument("--plot", metavar="FILE.png", help="draw running requests against concurrency "
+                   "(needs matplotlib: pip install 'hisparse[plot]')")
     g = p.add_argument_group("overrides (default: the scenario's)")
-    g.add_argument("--model", choices=sorted(MODELS))
-    g.add_argument("--gpus", type=int)
-    g.add_argument("--hbm-gib", type=float, help="HBM per GPU")
+    g.add_argument("--model", choices=sorted(MODELS), help="model preset (KV geometry and weights)")
+    g.add_argument("--gpu", choices=sorted(GPUS), help="GPU preset: HBM size and bandwidth")
+    g.add_argument("--gpus", type=int, help="GPUs in the node")
+    g.add_argument("--hbm-gib", type=float, help="HBM per GPU (overrides --gpu's)")
     g.add_argument("--weight-gb", type=float, help="whole checkpoint, 1e9 bytes")
-    g.add_argument("--tp", type=int)
-    g.add_argument("--dp", type=int)
-    g.add_argument("--kv-format", choices=("fp8_ds_mla", "bf16"))
-    g.add_argument("--gpu-memory-utilization", type=float)
-    g.add_argument("--workspace-gib", type=float)
+    g.add_argument("--tp", type=int, help="tensor parallel size of a replica")
+    g.add_argument("--dp", type=int, help="DP-attention replicas (tp x dp = GPUs)")
+    g.add_argument("--kv-format", choices=("fp8_ds_mla", "bf16"), help="KV cache dtype")
+    g.add_argument("--gpu-memory-utilization", type=float, help="vLLM's share of HBM")
+    g.add_argument("--workspace-gib", type=float, help="HBM per GPU besides weights and KV")
     g.add_argument("--mtp", type=int, help="MTP depth (speculative tokens)")
     g.add_argument("--hot-rows", type=int, help="hot rows per layer per request")
     g.add_argument("--host-gib", type=float, help="host memory for KV (both modes)")
@@ -43,14 +55,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--first-turn", type=int, help="tokens of a session's first prompt")
     g.add_argument("--turn-increment", type=int, help="prompt growth per turn")
     g.add_argument("--output", type=int, help="reply tokens per turn")
-    g.add_argument("--turns", type=int)
+    g.add_argument("--turns", type=int, help="turns per session")
     g.add_argument("--gap-s", type=float, help="mean tool/think gap between turns")
     g.add_argument("--miss-rate", type=float, help="sparse-tier misses / selected rows")
     g.add_argument("--measure-miss-rate", action="store_true",
                    help="measure the miss rate on generated top-k traces with the reference "
                         "resolver (hisparse/sim/hitrate.py) instead of assuming it")
-    g.add_argument("--concurrency", type=lambda s: tuple(int(x) for x in s.split(",")))
-    g.add_argument("--seed", type=int)
+    g.add_argument("--concurrency", type=lambda s: tuple(int(x) for x in s.split(",")),
+                   metavar="C1,C2,...", help="concurrent sessions to simulate")
+    g.add_argument("--seed", type=int, help="random seed of the simulation")
     return p
 
 
@@ -64,10 +77,15 @@ def scenario_from_args(a: argparse.Namespace) -> Scenario:
     model = MODELS[a.model] if a.model else sc.model
     if a.weight_gb is not None:
         model = replace(model, weight_bytes=int(a.weight_gb * 1e9))
+    node = sc.node
+    if a.gpu is not None:
+        gpu = GPUS[a.gpu]
+        node = replace(node, hbm_bytes=gpu.hbm_bytes, hbm_bytes_per_s=gpu.hbm_bytes_per_s,
+                       h2d_bytes_per_s=gpu.h2d_bytes_per_s)
     hbm = int(a.hbm_gib * GiB) if a.hbm_gib is not None else None
     ws = int(a.workspace_gib * GiB) if a.workspace_gib is not None else None
     sc = replace(
-        sc, model=model, node=_set(sc.node, gpus=a.gpus, hbm_bytes=hbm),
+        sc, model=model, node=_set(node, gpus=a.gpus, hbm_bytes=hbm),
         engine=_set(sc.engine, tp=a.tp, dp=a.dp, kv_format=a.kv_format, mtp_depth=a.mtp,
                     gpu_memory_utilization=a.gpu_memory_utilization, workspace_bytes=ws,
                     hot_rows=a.hot_rows),
@@ -91,6 +109,38 @@ def inputs(sc: Scenario) -> dict[str, Any]:
     return {k: asdict(getattr(sc, k)) for k in
             ("model", "node", "engine", "workload", "perf", "baseline_host", "hisparse_host")} | {
         "seed": sc.seed, "warmup_s": sc.warmup_s, "horizon_s": sc.horizon_s}
+
+
+def is_published_setup(sc: Scenario) -> bool:
+    """The setup the published GLM-5.3 figures were measured on (workload aside)."""
+    ref = SCENARIOS["glm53-8xh200"]
+    return (sc.model == ref.model and sc.node == ref.node and sc.engine == ref.engine
+            and sc.workload == ref.workload)
+
+
+def header(sc: Scenario) -> str:
+    """What is being planned: the scenario as named, or the presets and overrides chosen."""
+    if sc == replace(SCENARIOS[sc.name], concurrency=sc.concurrency, seed=sc.seed, perf=sc.perf):
+        return f"{sc.name}: {sc.description}"
+    n, e = sc.node, sc.engine
+    return (f"{sc.model.name} on {n.gpus} x {gpu_named(n.hbm_bytes)} ({n.hbm_bytes / GiB:.1f} GiB), "
+            f"TP{e.tp} x DP{e.dp}, MTP{e.mtp_depth}, {e.kv_format} KV; "
+            f"workload and host memory of scenario {sc.name}")
+
+
+def weights_fit(sc: Scenario) -> str | None:
+    """None, or why this model's weights leave no HBM for KV on this node."""
+    m, n, e = sc.model, sc.node, sc.engine
+    budget = plan.kv_budget_bytes(m, n, e)
+    if budget > 0:
+        return None
+    weights = plan.weight_bytes_per_gpu(m, n, e)
+    usable = e.gpu_memory_utilization * n.hbm_bytes
+    return (f"{m.name} does not fit on {n.gpus} x {gpu_named(n.hbm_bytes)}: weights take "
+            f"{_gib(weights)} per GPU and the workspace {_gib(e.workspace_bytes)}, of "
+            f"{_gib(usable)} usable ({e.gpu_memory_utilization} x {_gib(n.hbm_bytes)}), leaving "
+            f"{_gib(budget)} for KV. Use more GPUs (--gpus), a larger GPU (--gpu), or more of its "
+            f"memory (--gpu-memory-utilization)")
 
 
 def _gib(n: float) -> str:
@@ -143,13 +193,14 @@ def run_published(sc: Scenario) -> dict[str, Any]:
         "baseline_running": [round(r.mean_running, 2) for r in base],
         "hisparse_running": [round(r.mean_running, 2) for r in hs],
         "baseline": [asdict(r) for r in base], "hisparse": [asdict(r) for r in hs],
-        "published_at_c32": PUBLISHED_C32, "capacity_at_mean_turn": asdict(cap),
+        "published_at_c32": PUBLISHED_C32 if is_published_setup(sc) else None,
+        "capacity_at_mean_turn": asdict(cap),
         "inputs": inputs(sc)}
 
 
 def print_published(sc: Scenario, out: dict[str, Any]) -> None:
     wl = sc.workload
-    print(f"{sc.name}: {sc.description}")
+    print(header(sc))
     print(f"workload: {wl.turns} turns, first {wl.first_turn_tokens:,} tokens, +{wl.turn_increment_tokens}"
           f"/turn, {wl.output_tokens} out, gap {wl.gap_s} s; last turn {plan.final_tokens(wl):,} tokens")
     tokens = round(plan.mean_turn_tokens(wl))
@@ -163,7 +214,8 @@ def print_published(sc: Scenario, out: dict[str, Any]) -> None:
     for c, b, h in zip(out["concurrency"], out["baseline"], out["hisparse"]):
         print(f"{c:>4} {b['mean_running']:>9.2f} {h['mean_running']:>9.2f} {b['turns_per_min']:>15.1f}"
               f" {h['turns_per_min']:>13.1f} {h['mean_step_s'] * 1e3:>11.1f}")
-    print("published at c=32: baseline 5-6, hisparse 19-25")
+    if out["published_at_c32"] is not None:
+        print("published at c=32: baseline 5-6, hisparse 19-25")
 
 
 SHARED_POOL_RESTART_S = 1800.0  # rolling restarts: each replica once per half hour
@@ -184,7 +236,7 @@ def run_shared_pool(sc: Scenario) -> dict[str, Any]:
 
 
 def print_shared_pool(sc: Scenario, out: dict[str, Any]) -> None:
-    print(f"{sc.name}: {sc.description}")
+    print(header(sc))
     print(f"  {sc.engine.dp} replicas; host {_gib(sc.hisparse_host.park_bytes)} as one pool, or"
           f" {sc.engine.dp} x {_gib(sc.hisparse_host.park_bytes // sc.engine.dp)};"
           f" system prompt {sc.workload.shared_prefix_tokens:,} tokens")
@@ -226,7 +278,7 @@ def run_long_context(sc: Scenario) -> dict[str, Any]:
 
 
 def print_long_context(sc: Scenario, out: dict[str, Any]) -> None:
-    print(f"{sc.name}: {sc.description}; {out['tokens']:,}-token requests,"
+    print(f"{header(sc)}; {out['tokens']:,}-token requests,"
           f" {_gib(sc.baseline_host.park_bytes)} host as one pool")
     for name, lay in out["layouts"].items():
         print(f"\n{sc.model.name} {name}:")
@@ -239,7 +291,10 @@ def print_long_context(sc: Scenario, out: dict[str, Any]) -> None:
 
 
 def plot(out: dict[str, Any], path: str) -> None:
-    import matplotlib  # optional dependency: pip install hisparse[plot]
+    """Draw the sweep to ``path``; ``MissingExtra`` without matplotlib."""
+    from hisparse.extras import require
+
+    matplotlib = require("matplotlib", "hisparse plan --plot")
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
@@ -248,13 +303,14 @@ def plot(out: dict[str, Any], path: str) -> None:
     c = out["concurrency"]
     ax.plot(c, out["baseline_running"], "o-", label="full residency (offload parks idle sessions)")
     ax.plot(c, out["hisparse_running"], "s-", label="hisparse (sparse tier in host memory)")
-    for (lo, hi), color in zip(PUBLISHED_C32.values(), ("C0", "C1")):
-        ax.fill_between([30.5, 33.5], lo, hi, color=color, alpha=0.25)
-    ax.plot([], [], " ", label="shaded: published range at c=32")
+    if out["published_at_c32"] is not None:
+        for (lo, hi), color in zip(PUBLISHED_C32.values(), ("C0", "C1")):
+            ax.fill_between([30.5, 33.5], lo, hi, color=color, alpha=0.25)
+        ax.plot([], [], " ", label="shaded: published range at c=32")
     ax.set_xlabel("concurrent sessions (c)")
     ax.set_ylabel("mean num_requests_running")
     i = out["inputs"]
-    ax.set_title(f"{out['scenario']}: {i['model']['name']}, {i['node']['gpus']} GPUs,"
+    ax.set_title(f"{i['model']['name']}, {i['node']['gpus']} x {gpu_named(i['node']['hbm_bytes'])},"
                  f" TP{i['engine']['tp']}, MTP{i['engine']['mtp_depth']}")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
@@ -287,6 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         sc = scenario_from_args(a)
+        refusal = weights_fit(sc)
+        if refusal is not None:
+            print(f"hisparse plan: {refusal}", file=sys.stderr)
+            return 2
+        if a.plot and _RUNNERS.get(sc.name, (run_published,))[0] is not run_published:
+            print(f"hisparse plan: --plot draws a concurrency sweep; scenario {sc.name} has none "
+                  "(use glm53-8xh200 or its overrides)", file=sys.stderr)
+            return 2
         if a.measure_miss_rate:
             sc = with_measured_miss_rate(sc, quiet=a.json)
         run, show = _RUNNERS.get(sc.name, (run_published, print_published))
@@ -294,14 +358,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"hisparse plan: {exc}", file=sys.stderr)
         return 2
-    if a.plot:
-        if run is not run_published:
-            print("hisparse plan: --plot draws the concurrency sweep of glm53-8xh200", file=sys.stderr)
-            return 2
-        plot(out, a.plot)
     if a.json:
         json.dump(out, sys.stdout, indent=1)
         print()
     else:
         show(sc, out)
+    if a.plot:
+        try:
+            plot(out, a.plot)
+        except MissingExtra as exc:
+            print(f"hisparse plan: no plot: {exc}", file=sys.stderr)
+            return 1
+        print(f"plot: {os.path.abspath(a.plot)}", file=sys.stderr if a.json else sys.stdout)
     return 0

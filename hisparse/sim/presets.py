@@ -43,13 +43,51 @@ class ModelPreset:
     mtp_layers: int = 1
 
 
+# KV geometry from each model's config: every one is MLA with kv_lora_rank
+# 512 and qk_rope_head_dim 64 (one 656-byte fp8_ds_mla row per token per
+# layer), a DSA indexer with index_head_dim 128 (132-byte rows) and
+# index_topk 2048, and one MTP layer. What differs is the layer count, the
+# indexer layers and the weights.
+_DSV32 = ModelPreset("deepseek-v3.2", 61, 61, 690 * 10**9, 18 * 10**9)
+_GLM5 = ModelPreset("glm-5", 78, 78, 750 * 10**9, 20 * 10**9)
 MODELS: dict[str, ModelPreset] = {
-    # DeepSeek-V3.2: 671B params (37B active), FP8 checkpoint ~690 GB.
-    "deepseek-v3.2": ModelPreset("deepseek-v3.2", 61, 61, 690 * 10**9, 18 * 10**9),
-    "glm-5": ModelPreset("glm-5", 78, 78, 750 * 10**9, 20 * 10**9),
+    # DeepSeek-V3.2: 61 layers (num_hidden_layers), an indexer on each;
+    # 671B params (37B active), FP8 checkpoint ~690 GB.
+    "deepseek-v3.2": _DSV32,
+    # V3.2-Exp, the preview, has V3.2's architecture and geometry.
+    "deepseek-v3.2-exp": replace(_DSV32, name="deepseek-v3.2-exp"),
+    # GLM-5: 78 layers, an indexer on each; ~744B params, FP8 ~750 GB.
+    "glm-5": _GLM5,
+    # GLM-5.1 is GLM-5's architecture (GlmMoeDsa) retrained: same geometry.
+    "glm-5.1": replace(_GLM5, name="glm-5.1"),
     # GLM-5.3 keeps 22 indexer layers; the other layers reuse their top-k.
-    "glm-5.3": ModelPreset("glm-5.3", 78, 22, 750 * 10**9, 20 * 10**9),
+    "glm-5.3": replace(_GLM5, name="glm-5.3", indexer_layers=22),
 }
+
+
+@dataclass(frozen=True)
+class GpuPreset:
+    name: str
+    hbm_bytes: int  # what nvidia-smi reports as total
+    hbm_bytes_per_s: float
+    # Host-to-device over PCIe Gen5 x16, pinned. B200's own link is Gen6, but
+    # the host CPUs of current HGX boards are Gen5, so the rate is Gen5's.
+    h2d_bytes_per_s: float = 50e9
+
+
+GPUS: dict[str, GpuPreset] = {
+    "h100": GpuPreset("H100", 81_559 * MiB, 3.35e12),   # SXM5 80 GB
+    "h200": GpuPreset("H200", 143_771 * MiB, 4.8e12),   # the "141 GB" label
+    "b200": GpuPreset("B200", 183_359 * MiB, 8.0e12),   # the "180 GB" label
+}
+
+
+def gpu_named(hbm_bytes: int) -> str:
+    """The preset's name for this much HBM, else the size in GiB."""
+    for gpu in GPUS.values():
+        if gpu.hbm_bytes == hbm_bytes:
+            return gpu.name
+    return f"{hbm_bytes / GiB:.0f} GiB GPU"
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,31 @@ def test_reload_takes_only_live_keys(tmp_path):
     assert new.capacity_bytes == 1 << 30, "capacity cannot change live"
 
 
+def test_metrics_address_forms(tmp_path):
+    sock = str(tmp_path / "run" / "hisparsed.sock")
+    # default: a unix socket beside the daemon's; "" turns it off; a path or HOST:PORT otherwise
+    assert config.build(env={}, flags={"socket": sock}).metrics_endpoint == str(tmp_path / "run" / "hisparsed.metrics.sock")
+    assert config.build(env={"HISPARSED_METRICS_ADDRESS": ""}).metrics_endpoint == ""
+    assert config.build(env={}, flags={"metrics_address": "127.0.0.1:9477"}).metrics_endpoint == "127.0.0.1:9477"
+    assert config.build(env={}, flags={"metrics_address": "[::1]:9477"}).metrics_endpoint == "[::1]:9477"
+    assert config.build(env={}, flags={"metrics_address": "/run/m.sock"}).metrics_endpoint == "/run/m.sock"
+    assert config.build(EXAMPLE, env={}).metrics_endpoint == "127.0.0.1:9477"
+    for bad in ("9477", "localhost", "127.0.0.1:99999", "host:port"):
+        with pytest.raises(ConfigError, match="metrics_address"):
+            config.build(env={}, flags={"metrics_address": bad})
+    f = tmp_path / "c.toml"
+    f.write_text("metrics_address = 9477\n")
+    with pytest.raises(ConfigError, match="metrics_address: must be a string"):
+        config.build(str(f), env={})
+
+
+def test_a_metrics_socket_path_too_long_for_unix_sockets(tmp_path):
+    deep = "/tmp/" + "d" * 80 + "/hisparsed.sock"  # fits; the metrics socket beside it would not
+    assert config.build(env={}, flags={"socket": deep}).metrics_endpoint == ""
+    with pytest.raises(ConfigError, match="longer than a unix socket path"):
+        config.build(env={}, flags={"metrics_address": "/tmp/" + "m" * 110 + ".sock"})
+
+
 def test_the_example_documents_every_key():
     import re
 

@@ -327,9 +327,10 @@ def test_hisparsectl_ping_stats_clear(daemon_factory, clients):
 
 
 def test_hisparsectl_reports_an_absent_daemon(tmp_path):
+    # A --timeout longer than the subprocess's own: only failing fast passes.
     r = subprocess.run([sys.executable, "-m", "hisparse.ctl", "--socket", str(tmp_path / "none.sock"),
-                        "--timeout", "0.3", "ping"], capture_output=True, text=True, timeout=30)
-    assert r.returncode == 1 and "no answer" in r.stderr
+                        "--timeout", "600", "ping"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 3 and "no hisparsed socket at" in r.stderr
 
 
 def test_systemd_unit_verifies(tmp_path):
@@ -337,10 +338,11 @@ def test_systemd_unit_verifies(tmp_path):
     if analyze is None:
         pytest.fail("systemd-analyze is missing: install Debian's systemd package (.ci/run does)")
     unit = open(os.path.join(REPO, "systemd", "hisparsed.service")).read()
-    assert "Type=notify" in unit and "LimitMEMLOCK=infinity" in unit and "RuntimeDirectory=hisparsed" in unit
+    assert "Type=notify" in unit and "RuntimeDirectory=hisparsed" in unit
+    assert "\nLimitMEMLOCK" not in unit  # the daemon locks nothing; engines do (docs/deploy.md)
     binary = shutil.which("hisparsed") or os.path.join(os.path.dirname(sys.executable), "hisparsed")
     # Only the binary's path is changed: verify checks that ExecStart is executable.
-    (tmp_path / "hisparsed.service").write_text(unit.replace("/usr/local/bin/hisparsed", binary))
+    (tmp_path / "hisparsed.service").write_text(unit.replace("/opt/hisparse/venv/bin/hisparsed", binary))
     r = subprocess.run([analyze, "verify", str(tmp_path / "hisparsed.service")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

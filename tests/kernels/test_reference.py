@@ -1,4 +1,4 @@
-"""resolve_reference on hand-built cases: the contract of DESIGN.md "Sparse tier".
+"""resolve_reference on hand-built cases: the contract of docs/design.md "Sparse tier".
 
 Scene used throughout: block_tokens 4, one request unless said, 4 logical
 blocks (positions 0-15). Rows 0-7 of kv_rows are two resident device blocks;

@@ -1,4 +1,4 @@
-"""Region geometry and files: the layer-major layout DESIGN.md fixes, byte for byte."""
+"""Region geometry and files: the layer-major layout docs/design.md fixes, byte for byte."""
 
 from __future__ import annotations
 

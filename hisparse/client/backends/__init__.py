@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from hisparse.errors import InvalidArgument
+from hisparse.extras import require
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +73,7 @@ def copy_itemsize(layer_page_bytes: int, *addresses: int) -> int:
 
 
 def torch_dtype(itemsize: int) -> Any:
-    import torch
+    torch = require("torch", "a tensor copy")
 
     return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[itemsize]
 
@@ -113,8 +114,7 @@ def check_pages(pages: Any, n: int, page_bytes: int, name: str, *, exact: bool) 
         dtype, shape, strides = pages.dtype, pages.shape, pages.strides
         ok_type = dtype == np.uint8
     else:
-        import torch
-
+        torch = require("torch", f"{name} other than a numpy array")
         if not isinstance(pages, torch.Tensor):
             raise InvalidArgument(f"{name} must be a torch.Tensor, not {type(pages).__name__}")
         dtype, shape, strides = pages.dtype, tuple(pages.shape), pages.stride()

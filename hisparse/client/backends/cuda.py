@@ -57,7 +57,8 @@ def driver() -> Any:
     try:
         from cuda.bindings import driver
     except ImportError as exc:
-        raise CudaError(f"cuda-python is not installed ({exc}); pip install 'hisparse[cuda]'") from None
+        raise CudaError(f"cuda-python is not installed ({exc}); pip install 'hisparse[engine]' "
+                        "into this environment") from None
     return driver
 
 
