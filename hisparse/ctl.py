@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 from hisparse import ctlviews, protocol
-from hisparse.ctlviews import format_cluster, format_stats  # noqa: F401 (re-exported)
 from hisparse.client.transport import Transport
 from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired, PermissionDenied
 from hisparse.layout import format_size

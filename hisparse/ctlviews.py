@@ -32,17 +32,6 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 86400:.1f}d"
 
 
-def format_cluster(c: dict[str, Any]) -> str:
-    """One line for the cluster tier (``[cluster]``), or that there is none."""
-    if c.get("backend", "none") == "none":
-        return "cluster: off"
-    line = (f"cluster: {c['backend']} at {c['master']} ({c['protocol']}) {c['state']}, "
-            f"{c['write_policy']}, queue {c['queue_depth']}/{c['queue_pages']}, "
-            f"put {c['put_pages']} pages ({format_size(c['put_bytes'])}), dropped {c['dropped_pages']}, "
-            f"promoted {c['promoted_pages']}, refused {c['refused_pages']}")
-    return line + (f"; last error: {c['last_error']}" if c["state"] != "up" and c["last_error"] else "")
-
-
 def daemon_lines(stats: dict[str, Any]) -> list[str]:
     d = stats["daemon"]
     return [
@@ -53,6 +42,17 @@ def daemon_lines(stats: dict[str, Any]) -> list[str]:
         f"evictions {d['evicted_pages']}",
         format_cluster(d.get("cluster") or {"backend": "none"}),
     ]
+
+
+def format_cluster(c: dict[str, Any]) -> str:
+    """One line for the cluster tier (``[cluster]``), or that there is none."""
+    if c.get("backend", "none") == "none":
+        return "cluster: off"
+    line = (f"cluster: {c['backend']} at {c['master']} ({c['protocol']}) {c['state']}, "
+            f"{c['write_policy']}, queue {c['queue_depth']}/{c['queue_pages']}, "
+            f"put {c['put_pages']} pages ({format_size(c['put_bytes'])}), dropped {c['dropped_pages']}, "
+            f"promoted {c['promoted_pages']}, refused {c['refused_pages']}")
+    return line + (f"; last error: {c['last_error']}" if c["state"] != "up" and c["last_error"] else "")
 
 
 def format_stats(stats: dict[str, Any]) -> str:

@@ -18,27 +18,9 @@ from hisparse.layout import format_size
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# Sections whose snippets need a daemon configured beyond the quick start: there
-# they must fail with the typed error that names what to configure.
-NEEDS_CONFIG = {"Beyond one node: the cluster tier": "set [cluster] backend in its config"}
-
-
-def python_snippets() -> list[tuple[str, str]]:
-    """(section heading, program) of each snippet: one without imports continues the one
-    before it, as the README reads (inserted before that one's closing ``c.close()``)."""
+def python_snippets() -> list[str]:
     with open(os.path.join(REPO, "README.md")) as f:
-        text = f.read()
-    programs: list[tuple[str, str]] = []
-    for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
-        snippet = m.group(1)
-        heading = re.findall(r"^## (.*)$", text[:m.start()], re.M)[-1]
-        if re.search(r"^(import|from) ", snippet, re.M) or not programs:
-            programs.append((heading, snippet))
-            continue
-        prev = programs[-1][1]
-        before, close, after = prev.rpartition("c.close()\n")
-        programs.append((heading, before + snippet + close + after if close else prev + snippet))
-    return programs
+        return re.findall(r"^```python\n(.*?)^```", f.read(), re.S | re.M)
 
 
 def test_the_readme_has_no_reference_outside_the_repository():
@@ -53,17 +35,14 @@ def test_python_snippets_run_as_written(daemon_factory):
     assert snippets, "the README has no python snippet"
     d = daemon_factory(capacity=format_size(Config().capacity_bytes).replace(" ", "").replace(".0", ""))
     env = {**os.environ, "HISPARSE_SOCKET": d.socket}
-    for heading, snippet in snippets:
+    for snippet in snippets:
         # the snippet, then a look at what it left in the daemon
         check = ("\nimport json\nfrom hisparse.ctl import Control\nfrom hisparse import protocol\n"
                  "ctl = Control(__import__('os').environ['HISPARSE_SOCKET'])\n"
                  "print(json.dumps(ctl.call(protocol.Op.STATS)['namespaces']))\nctl.close()\n")
         r = subprocess.run([sys.executable, "-c", snippet + check], env=env, capture_output=True,
                            text=True, timeout=120, cwd=REPO)
-        if heading in NEEDS_CONFIG:
-            assert r.returncode != 0 and NEEDS_CONFIG[heading] in r.stderr, r.stderr
-            continue
         assert r.returncode == 0, f"README snippet failed:\n{snippet}\n{r.stderr}"
-        stats = __import__("json").loads(r.stdout.splitlines()[-1])
+    stats = __import__("json").loads(r.stdout.splitlines()[-1])
     ns = stats["glm-5.3/fp8_ds_mla/tp8"]
     assert ns["committed_pages"] == 4 and ns["page_bytes"] == 78 * 64 * 656

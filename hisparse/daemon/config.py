@@ -88,8 +88,8 @@ class Config:
     lease_ttl_s: float = 10.0
     log_level: str = "INFO"
     admin_token_file: str | None = None  # None: hisparsed.token beside the socket
-    metrics_address: str | None = None  # None: hisparsed.metrics.sock beside the socket; "": off
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    metrics_address: str | None = None  # None: hisparsed.metrics.sock beside the socket; "": off
     fresh: bool = False  # flag only: drop every region and table left by an earlier run
     config_file: str | None = None
     # What env and flags said at start: SIGHUP re-applies them over the file.

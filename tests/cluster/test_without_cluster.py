@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hisparse import ClusterUnavailable, KVLayout, client
-from hisparse.ctl import format_cluster
+from hisparse.ctlviews import format_cluster
 from tests.rawclient import keys_for
 
 LAYOUT = KVLayout(2, 4, 32)

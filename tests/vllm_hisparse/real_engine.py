@@ -249,13 +249,14 @@ def run_plan(socket: str, model_dir: str, prompts: list[list[int]]) -> dict[str,
     try:
         for index, tokens in enumerate(prompts):
             request = engine.add(f"r{index}", tokens)
-            computed = external = 0
+            computed = external = passes = 0
             host_pages: list[int] = []
             for _ in range(50):
                 if not engine.scheduler.requests:
                     break
                 before = request.num_computed_tokens
                 scheduled = engine.step()
+                passes += 1
                 if not host_pages and request.request_id in engine.scheduler.requests:
                     host_pages = [b.block_id for b in engine.scheduler.kv_cache_manager.get_blocks(
                         request.request_id).blocks[engine.coordinator.host_group_id]]
@@ -264,6 +265,7 @@ def run_plan(socket: str, model_dir: str, prompts: list[list[int]]) -> dict[str,
                 computed += scheduled.get(request.request_id, 0)
             report["requests"].append({
                 "external": external, "computed": computed, "host_pages": host_pages,
+                "passes": passes,
                 "bytes_ok": engine.bytes_ok(tokens, host_pages[:len(tokens) // BLOCK_TOKENS])})
         report["counters"] = dict(engine.pool.counters)
     finally:

@@ -107,9 +107,10 @@ def test_two_engine_processes_share_the_host_and_indexer_prefix_and_a_restart_ke
     (b,) = b_report["requests"]
     assert (b["external"], b["computed"]) == (576, 65)
     assert b["host_pages"][:9] == a["host_pages"][:9] and b["bytes_ok"]
-    # one pin request per scheduling pass that looks the prompt up (the indexer's
-    # connector may have it looked up again while its mirror syncs), never one per block
-    assert b_report["counters"]["pin_requests"] <= 2
+    # at most one pin request per scheduling pass that looks the prompt up (the indexer's
+    # connector answers RETRY while its pins are taken, for more passes on a busy
+    # machine), never one per block
+    assert 1 <= b_report["counters"]["pin_requests"] <= b["passes"]
     # A restarted (a new process of the same engine) finds the same prefix
     (again,) = run_engine_process(hisparsed.socket, model_dir, [PROMPT])["requests"]
     assert (again["external"], again["computed"]) == (576, 65) and again["bytes_ok"]
