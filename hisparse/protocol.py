@@ -326,9 +326,10 @@ def _keys(msg: dict[str, Any], name: str = _KEYS) -> tuple[bytes, ...]:
     keys = tuple(raw)
     # The common case checked in C (a flood of the largest requests costs the
     # loop little); the loop below only runs to name the offending key.
-    if set(map(type, keys)) <= {bytes} and (
-            not keys or MIN_KEY_BYTES <= min(map(len, keys)) and max(map(len, keys)) <= MAX_KEY_BYTES):
-        return keys
+    if set(map(type, keys)) <= _BYTES_ONLY:
+        lengths = set(map(len, keys))  # usually one length: min and max are then free
+        if not lengths or (MIN_KEY_BYTES <= min(lengths) and max(lengths) <= MAX_KEY_BYTES):
+            return keys
     for i, key in enumerate(raw):
         if not isinstance(key, bytes):
             raise WireError(ErrorCode.PROTOCOL_ERROR, f"{name}[{i}] must be bytes, not {type(key).__name__}")
@@ -393,6 +394,10 @@ def _hello(op: Op, rid: int, msg: dict[str, Any]) -> HelloRequest:
     return HelloRequest(op, rid, None, namespace, layout, capacity, client[:200], access_key, token)
 
 
+_OPS = {op.value: op for op in Op}
+_BYTES_ONLY = frozenset({bytes})
+
+
 def decode_request(frame: bytes) -> Request:
     """Parse and validate one request frame; raises ``WireError``.
 
@@ -408,10 +413,9 @@ def decode_request(frame: bytes) -> Request:
                         f"protocol version {version!r}; this daemon speaks {VERSION}")
     rid = _number(msg, "id")
     op_name = _field(msg, "op", (str,))
-    try:
-        op = Op(op_name)
-    except ValueError:
-        raise WireError(ErrorCode.UNKNOWN_OP, f"unknown op {op_name[:64]!r}") from None
+    op = _OPS.get(op_name)
+    if op is None:
+        raise WireError(ErrorCode.UNKNOWN_OP, f"unknown op {op_name[:64]!r}")
     if op is Op.HELLO:
         return _hello(op, rid, msg)
     if op is Op.PING:
