@@ -420,3 +420,52 @@ def test_soak_random_stalls_and_restarts_never_leak_or_corrupt(daemon_factory, a
         return (ns["writing_pages"] == 0 and ns["pinned_pages"] == 0 and ns["fenced_pages"] == 0
                 and ns["free_pages"] + ns["committed_pages"] == ns["num_pages"])
     wait_for(settled, "every page to come back")
+
+
+# -- an attacker plants fence files: none may fence a page --
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's file needs root (chown); "
+                    "CI runs as root")
+def test_planted_fence_files_fence_nothing(daemon_factory):
+    import fcntl
+
+    from hisparse.shm.fence import FenceFile, fence_dir_for
+
+    d = daemon_factory(lease_ttl=5)
+    raw = RawClient(d.socket)
+    try:
+        region = raw.hello(NS, LAYOUT, LAYOUT.page_bytes * 8)["region"]
+    finally:
+        raw.close()
+    fences = fence_dir_for(d.socket)
+    planted = []
+    for name, how in (("other-user", "chown"), ("world-writable", "chmod"), ("link", "symlink")):
+        # well-formed, naming this very namespace and region, every page reserved
+        f = FenceFile.create(fences, f"{name}.fence", namespace=NS, region_id=region["region_id"],
+                             num_pages=region["num_pages"], handle="deadbeef")
+        f.add_reserved(list(range(region["num_pages"])))
+        f.close(unlink=False)
+        if how == "chown":
+            os.chown(f.path, 4242, 4242)
+        elif how == "chmod":
+            os.chmod(f.path, 0o666)
+        else:
+            target = f.path + ".real"
+            os.rename(f.path, target)
+            os.symlink(target, f.path)
+        fd = os.open(f.path, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # and the attacker holds it, as a live client would
+        planted.append(fd)
+    try:
+        d.restart(kill=True)  # adoption reads the fence directory
+        log = d.log()
+        assert log.count("not adopting fence") >= 3, log
+        ns = ns_stats(d.socket)
+        assert ns["fenced_pages"] == 0 and ns["pinned_pages"] == 0
+        stored, bad = victim_store_and_check(d.socket, "after-plant", 8)
+        assert stored == 8 and bad == [], "a planted fence kept pages from the namespace"
+        assert all(os.path.lexists(os.path.join(fences, f"{n}.fence"))
+                   for n in ("other-user", "world-writable", "link")), "refused files are left alone"
+    finally:
+        for fd in planted:
+            os.close(fd)
