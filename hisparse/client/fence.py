@@ -36,11 +36,14 @@ from hisparse.shm.fence import HEADER_BYTES, LIVE, STATE_NAMES, read_header, rea
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fence", "hold"]
+__all__ = ["Fence", "hold", "open_locked"]
 
 
-def _open_locked(path: str) -> tuple[int, mmap.mmap]:
-    """Open a fence read-only, take LOCK_SH, map its header; LeaseExpired when it is gone."""
+def open_locked(path: str) -> tuple[int, mmap.mmap]:
+    """Open a fence read-only, take LOCK_SH, map its header: ``(fd, header map)``.
+
+    ``LeaseExpired`` when the file is gone. Closing ``fd`` drops the lock.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -64,7 +67,7 @@ class Fence:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd, self._mm = _open_locked(path)
+        self._fd, self._mm = open_locked(path)
         self._lock = threading.Lock()
         self._refs = 1  # the session being current
         self._retired = False
@@ -152,7 +155,7 @@ class _Shared:
     """One open fence of another process's session, locked while any job of ours uses it."""
 
     def __init__(self, path: str) -> None:
-        self.fd, self.mm = _open_locked(path)
+        self.fd, self.mm = open_locked(path)
         fcntl.flock(self.fd, fcntl.LOCK_UN)  # taken per job below
         self.lock = threading.Lock()
         self.users = 0

@@ -131,7 +131,8 @@ class Transport:
     def _connection_dropped(self) -> bool:
         """Apply queued connection events; True when the connection dropped since the last look."""
         dropped = False
-        while True:
+        # Most calls find nothing queued: ask the socket rather than catch zmq.Again.
+        while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
@@ -140,6 +141,7 @@ class Transport:
                 dropped, self._up = True, False
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._up = True
+        return dropped
 
     def _receive(self, rid: int, op: Op, frame: bytes, deadline: float) -> protocol.Reply:
         lost = False  # the request went to a connection that dropped: send it again

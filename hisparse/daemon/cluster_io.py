@@ -247,15 +247,10 @@ def _fetch_staged(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]]
             if verdicts[i] != "size":
                 continue
             value = stage[i * per:(i + 1) * per]
-            started = time.perf_counter()
-            why = fmt.verify(value[:fmt.HEADER_BYTES].tobytes(), space.fp, page_bytes,
-                             fmt.content_hash(key, [value[fmt.HEADER_BYTES:]]))
-            tier.counters["hash_s"] += time.perf_counter() - started
-            if why is None:
+            if _verified(tier, space, key, value[:fmt.HEADER_BYTES].tobytes(),
+                         [value[fmt.HEADER_BYTES:]], body):
                 pages[:, page, :] = value[fmt.HEADER_BYTES:].reshape(layers, -1)
                 good.append((key, page))
-            else:
-                _refuse(tier, space, key, why, body)
         _count_failed(tier, space, mine, got, verdicts, body)
     finally:
         tier._on_loop(tier._settle, space, good, [pair for pair in mine if pair not in good])
@@ -282,17 +277,23 @@ def _fetch_direct(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]]
             if verdicts[i] != "size":
                 continue
             header = bytes(tier._headers[i * fmt.HEADER_BYTES:(i + 1) * fmt.HEADER_BYTES])
-            started = time.perf_counter()
-            why = fmt.verify(header, space.fp, page_bytes, fmt.content_hash(key, space.views(page)))
-            tier.counters["hash_s"] += time.perf_counter() - started
-            if why is None:
+            if _verified(tier, space, key, header, space.views(page), body):
                 good.append((key, page))
-            else:
-                _refuse(tier, space, key, why, body)
         _count_failed(tier, space, mine, got, verdicts, body)
     finally:
         tier._on_loop(tier._settle, space, good, [pair for pair in mine if pair not in good])
     _count_promoted(tier, body, len(good), page_bytes)
+
+
+def _verified(tier: ClusterTier, space: Space, key: bytes, header: bytes, parts: list[Any],
+              body: dict[str, int]) -> bool:
+    """A fetched value's header and content hash match ``key``; a bad one is refused, never committed."""
+    started = time.perf_counter()
+    why = fmt.verify(header, space.fp, space.ns.layout.page_bytes, fmt.content_hash(key, parts))
+    tier.counters["hash_s"] += time.perf_counter() - started
+    if why is not None:
+        _refuse(tier, space, key, why, body)
+    return why is None
 
 
 def _verdicts(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]],

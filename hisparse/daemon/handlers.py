@@ -260,8 +260,9 @@ def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict
 def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     ns = _ns(session)
     _require_fence(session, "pin")
-    check_pin_quota(ctx, session, ns.index.committed_prefix_pages(req.keys))
-    pages = ns.index.pin(req.keys)
+    pages = ns.index.committed_prefix_pages(req.keys)  # walked once: the quota sees what is pinned
+    check_pin_quota(ctx, session, pages)
+    ns.index.pin_pages(pages)
     session.fence.add_pins(pages)  # type: ignore[union-attr]
     pins = session.pins
     for key, page in zip(req.keys, pages):

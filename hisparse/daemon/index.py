@@ -292,19 +292,23 @@ class NamespaceIndex:
                 self.state[page] = FENCED
                 self.num_fenced += 1
                 fenced.append(page)
-        if fenced:
-            gone = set(fenced)
-            self.free = array("i", [p for p in self.free if p not in gone])
+        if fenced:  # off the free stack, order kept (vectorised: adoption of millions of pages)
+            free = np.frombuffer(self.free, dtype=np.int32)
+            self.free = array("i", free[~np.isin(free, fenced)].tobytes())
         return fenced, pinned
 
     def pin(self, keys: tuple[bytes, ...]) -> list[int]:
         """Pin the committed prefix; returns its pages (the caller records the holds)."""
         pages = self._committed_prefix(keys)
+        self.pin_pages(pages)
+        return pages
+
+    def pin_pages(self, pages: list[int]) -> None:
+        """Pin pages a ``committed_prefix_pages`` just found (the chain's head is touched last)."""
         self.lru.touch_many(pages[::-1])
         for page in pages:
             self._pin_page(page)
         self.counters.pins += len(pages)
-        return pages
 
     def _pin_page(self, page: int) -> None:
         if self.pins[page] == 0:

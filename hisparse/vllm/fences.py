@@ -26,7 +26,7 @@ import os
 from collections import deque
 from typing import Any
 
-from hisparse.client.fence import _open_locked
+from hisparse.client.fence import open_locked
 from hisparse.errors import LeaseExpired
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class WorkerFences:
         wanted = list(dict.fromkeys(paths))
         for path in wanted:
             if path not in self._open:
-                self._open[path] = _open_locked(path)
+                self._open[path] = open_locked(path)
         for path in [p for p in self._open if p not in wanted]:
             self._close(path)
 

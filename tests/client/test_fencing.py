@@ -27,6 +27,7 @@ from hisparse import client
 from hisparse.protocol import ErrorCode, Op
 from tests.client.engine import REPO, bad_pages, chain, page_for, pages_for
 from tests.rawclient import RawClient
+from tests.waiting import wait_for
 
 LAYOUT = hisparse.KVLayout(num_layers=2, block_tokens=4, row_bytes=16)  # 128-byte pages
 NS = "fence"
@@ -85,13 +86,6 @@ def actors():
     yield make
     for a in made:
         a.kill()
-
-
-def wait_for(cond, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def ns_stats(socket: str) -> dict[str, Any]:

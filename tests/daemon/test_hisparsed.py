@@ -22,6 +22,7 @@ from hisparse import KVLayout, protocol
 from hisparse.protocol import ErrorCode, Op
 from tests.conftest import ping
 from tests.rawclient import RawClient, keys_for
+from tests.waiting import wait_for
 
 LAYOUT = KVLayout(num_layers=3, block_tokens=4, row_bytes=16)  # 192-byte pages
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -223,7 +224,7 @@ def test_sigkilled_daemon_restarts_with_every_committed_page(daemon_factory, cli
     ns = c2.call(Op.STATS)["namespaces"]["ns"]
     assert ns["writing_pages"] == 0 and ns["fenced_pages"] == 5 and ns["free_pages"] == 64 - 25
     c.release_fence()  # c lets go (or exits): its pages come back
-    _wait(lambda: c2.call(Op.STATS)["namespaces"]["ns"]["free_pages"] == 64 - 20, "fence release")
+    wait_for(lambda: c2.call(Op.STATS)["namespaces"]["ns"]["free_pages"] == 64 - 20, "fence release")
     # the old session belongs to the earlier run
     assert c2.request(Op.LOOKUP, session=old_session, keys=k).error_code == ErrorCode.UNKNOWN_SESSION.value
 
@@ -369,13 +370,6 @@ def test_abort_missing_ok_releases_what_a_lost_reserve_took(hisparsed, clients):
     assert c.request(Op.ABORT, keys=k, missing_ok="yes").error_code == ErrorCode.PROTOCOL_ERROR.value
 
 
-def _wait(cond, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_an_expired_writers_pages_stay_fenced_while_its_process_lives(daemon_factory, clients):
     d = daemon_factory(lease_ttl=2.0)
     stalled = clients(d, capacity_bytes=192 * 2)
@@ -383,7 +377,7 @@ def test_an_expired_writers_pages_stay_fenced_while_its_process_lives(daemon_fac
     assert len(slots) == 2  # the region is now full of this writer's reservations
     # the writer stalls (no heartbeat, fence still locked); another keeps its lease alive
     other = clients(d)
-    _wait(lambda: other.call(Op.STATS)["namespaces"]["ns"]["fenced_pages"] == 2, "the expiry")
+    wait_for(lambda: other.call(Op.STATS)["namespaces"]["ns"]["fenced_pages"] == 2, "the expiry")
     # expired, but its pages are not handed out while its process might still write
     assert other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"] == []
     with open(stalled.fence_path, "rb") as f:
@@ -395,7 +389,7 @@ def test_an_expired_writers_pages_stay_fenced_while_its_process_lives(daemon_fac
         assert other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"] == []
     assert other.call(Op.STATS)["daemon"]["fenced_sessions"] == 1
     stalled.release_fence()  # the process comes back and gives up its holds (or exits)
-    _wait(lambda: len(other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"]) == 2, "release")
+    wait_for(lambda: len(other.call(Op.RESERVE, keys=keys_for("next", 2))["slots"]) == 2, "release")
     ns = other.call(Op.STATS)["namespaces"]["ns"]
     assert ns["fenced_pages"] == 0 and ns["writing_pages"] == 2
 
