@@ -1,0 +1,271 @@
+"""Requests: one frozen dataclass per op, and the decoder that validates a frame into one.
+
+``decode_request`` is the daemon's only entry for untrusted bytes: every
+field is type- and range-checked here, so handlers receive plain values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hisparse import errors
+from hisparse.layout import MAX_SIZE_BYTES, KVLayout, parse_size
+from hisparse.protocol.codes import (
+    ADMIN_OPS, MAX_EVENTS_PER_REPLY, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_REQUEST,
+    MAX_NAMESPACE_CHARS, MIN_KEY_BYTES, VERSION, ErrorCode, Op, WireError,
+)
+from hisparse.protocol.frames import KEY_FIELDS, unpack_map
+
+_KEYS = KEY_FIELDS[0]
+
+
+@dataclass(frozen=True)
+class Request:
+    op: Op
+    id: int
+    session: int | None
+
+
+@dataclass(frozen=True)
+class HelloRequest(Request):
+    namespace: str | None  # None: an admin session with no region (hisparsectl)
+    layout: KVLayout | None
+    capacity_bytes: int | None  # region size if this hello creates the namespace
+    client: str  # free text for logs: "pid 1234 vllm-engine-0"
+    access_key: str | None = None  # a group-restricted namespace's key (access/<tag>.key beside the socket)
+    token: str | None = None  # admin session: the admin token, to see every namespace in stats
+
+
+@dataclass(frozen=True)
+class PingRequest(Request):
+    pass
+
+
+@dataclass(frozen=True)
+class KeysRequest(Request):
+    """lookup, reserve, commit, abort, pin, unpin."""
+
+    keys: tuple[bytes, ...]
+    # abort only: skip keys this session does not hold instead of refusing
+    # (a client whose reserve reply was lost cleans up what it may hold)
+    missing_ok: bool = False
+    # lookup only: also count the keys after the local prefix that the cluster holds
+    remote: bool = False
+    # lookup with remote, prefetch: answer once the cluster has (False: at once)
+    wait: bool = True
+
+
+@dataclass(frozen=True)
+class PagesRequest(Request):
+    """unpin: page ids as the pin reply gave them (a page pinned twice is listed twice)."""
+
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PublishRequest(Request):
+    """publish: reservations held under ``keys`` become committed pages under ``as_keys``."""
+
+    keys: tuple[bytes, ...]
+    as_keys: tuple[bytes, ...]
+    pin: bool  # the session also pins each published page (it is still reading it)
+
+
+@dataclass(frozen=True)
+class SessionRequest(Request):
+    """heartbeat, stats, bye."""
+
+
+@dataclass(frozen=True)
+class EventsRequest(Request):
+    after: int  # last sequence number the caller has applied
+    limit: int
+
+
+@dataclass(frozen=True)
+class KeysPageRequest(Request):
+    cursor: int  # page id to start the scan at; 0 for the first page
+    limit: int
+
+
+@dataclass(frozen=True)
+class AdminRequest(Request):
+    token: str
+    namespace: str | None  # clear: the namespace; shutdown: None
+    target: str | None = None  # evict_session: the session's 8-hex-digit handle
+    force: bool = False  # drop: end the namespace's sessions too
+
+
+_KEY_OPS = frozenset({Op.LOOKUP, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN, Op.PREFETCH})
+MAX_PAGE_ID = (1 << 31) - 1
+
+
+def _field(msg: dict[str, Any], name: str, types: tuple[type, ...], *, optional: bool = False) -> Any:
+    if name not in msg or (optional and msg[name] is None):
+        if optional:
+            return None
+        raise WireError(ErrorCode.PROTOCOL_ERROR, f"missing field {name!r}")
+    value = msg[name]
+    # bool is an int in Python; on the wire it is not one.
+    if isinstance(value, bool) and bool not in types:
+        raise WireError(ErrorCode.PROTOCOL_ERROR, f"field {name!r} must be {_tname(types)}, not bool")
+    if not isinstance(value, types):
+        raise WireError(ErrorCode.PROTOCOL_ERROR,
+                        f"field {name!r} must be {_tname(types)}, not {type(value).__name__}")
+    return value
+
+
+MAX_WIRE_INT = (1 << 63) - 1
+
+
+def _number(msg: dict[str, Any], name: str) -> int:
+    """A required non-negative integer field below 2**63 (ids, sessions, cursors)."""
+    value = _field(msg, name, (int,))
+    if not 0 <= value <= MAX_WIRE_INT:
+        raise WireError(ErrorCode.INVALID_ARGUMENT, f"field {name!r} must be 0-{MAX_WIRE_INT}, not {value}")
+    return value
+
+
+def _tname(types: tuple[type, ...]) -> str:
+    return " or ".join(t.__name__ for t in types)
+
+
+def _keys(msg: dict[str, Any], name: str = _KEYS) -> tuple[bytes, ...]:
+    raw = _field(msg, name, (list,))
+    if len(raw) > MAX_KEYS_PER_REQUEST:
+        raise WireError(ErrorCode.INVALID_ARGUMENT,
+                        f"{len(raw)} keys in one request; the limit is {MAX_KEYS_PER_REQUEST}")
+    keys = tuple(raw)
+    # The common case checked in C (a flood of the largest requests costs the
+    # loop little); the loop below only runs to name the offending key.
+    if set(map(type, keys)) <= _BYTES_ONLY:
+        lengths = set(map(len, keys))  # usually one length: min and max are then free
+        if not lengths or (MIN_KEY_BYTES <= min(lengths) and max(lengths) <= MAX_KEY_BYTES):
+            return keys
+    for i, key in enumerate(raw):
+        if not isinstance(key, bytes):
+            raise WireError(ErrorCode.PROTOCOL_ERROR, f"{name}[{i}] must be bytes, not {type(key).__name__}")
+        if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
+            raise WireError(ErrorCode.INVALID_ARGUMENT,
+                            f"{name}[{i}] is {len(key)} bytes; keys are {MIN_KEY_BYTES}-{MAX_KEY_BYTES} bytes")
+    return keys
+
+
+def _pages(msg: dict[str, Any]) -> tuple[int, ...]:
+    raw = _field(msg, "pages", (list,))
+    if len(raw) > MAX_KEYS_PER_REQUEST:
+        raise WireError(ErrorCode.INVALID_ARGUMENT,
+                        f"{len(raw)} pages in one request; the limit is {MAX_KEYS_PER_REQUEST}")
+    for i, page in enumerate(raw):
+        if not isinstance(page, int) or isinstance(page, bool):
+            raise WireError(ErrorCode.PROTOCOL_ERROR, f"pages[{i}] must be int, not {type(page).__name__}")
+        if not 0 <= page <= MAX_PAGE_ID:
+            raise WireError(ErrorCode.INVALID_ARGUMENT, f"pages[{i}] = {page} is not a page id")
+    return tuple(raw)
+
+
+def _limit(msg: dict[str, Any]) -> int:
+    limit = _field(msg, "limit", (int,), optional=True)
+    if limit is None:
+        return MAX_EVENTS_PER_REPLY
+    if not 1 <= limit <= MAX_EVENTS_PER_REPLY:
+        raise WireError(ErrorCode.INVALID_ARGUMENT, f"limit must be 1-{MAX_EVENTS_PER_REPLY}, not {limit}")
+    return limit
+
+
+def _hello(op: Op, rid: int, msg: dict[str, Any]) -> HelloRequest:
+    namespace = _field(msg, "namespace", (str,), optional=True)
+    layout_raw = _field(msg, "layout", (dict,), optional=True)
+    capacity = _field(msg, "capacity_bytes", (int,), optional=True)
+    if capacity is None and msg.get("capacity") is not None:
+        # docs/design.md's attach() says ``capacity`` (bytes or "384GiB"): take it too.
+        try:
+            capacity = parse_size(_field(msg, "capacity", (int, str)))
+        except errors.InvalidArgument as exc:
+            raise WireError(ErrorCode.INVALID_ARGUMENT, f"capacity: {exc}") from None
+    client = _field(msg, "client", (str,), optional=True) or ""
+    if namespace is not None:
+        if not namespace or len(namespace) > MAX_NAMESPACE_CHARS or not namespace.isprintable():
+            raise WireError(ErrorCode.INVALID_ARGUMENT,
+                            f"namespace must be 1-{MAX_NAMESPACE_CHARS} printable characters")
+        if layout_raw is None:
+            raise WireError(ErrorCode.PROTOCOL_ERROR, "hello with a namespace needs a layout")
+    layout = None
+    if layout_raw is not None:
+        try:
+            layout = KVLayout.from_wire(layout_raw)
+        except errors.InvalidArgument as exc:
+            raise WireError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
+    if capacity is not None and not 0 < capacity <= MAX_SIZE_BYTES:
+        raise WireError(ErrorCode.INVALID_ARGUMENT,
+                        f"capacity_bytes must be 1-{MAX_SIZE_BYTES}, not {str(capacity)[:24]}")
+    access_key = _field(msg, "access_key", (str,), optional=True)
+    token = _field(msg, "token", (str,), optional=True)
+    if access_key is not None and len(access_key) > 256 or token is not None and len(token) > 256:
+        raise WireError(ErrorCode.INVALID_ARGUMENT, "access_key and token are at most 256 characters")
+    return HelloRequest(op, rid, None, namespace, layout, capacity, client[:200], access_key, token)
+
+
+_OPS = {op.value: op for op in Op}
+_BYTES_ONLY = frozenset({bytes})
+
+
+def decode_request(frame: bytes) -> Request:
+    """Parse and validate one request frame; raises ``WireError``.
+
+    The caller answers a ``WireError`` with ``encode_error(request_id(frame), ...)``.
+    """
+    if len(frame) > MAX_FRAME_BYTES:
+        raise WireError(ErrorCode.FRAME_TOO_LARGE,
+                        f"frame of {len(frame)} bytes; the limit is {MAX_FRAME_BYTES}")
+    msg = unpack_map(frame)
+    version = msg.get("v")
+    if type(version) is not int or version != VERSION:  # not 2.0, not True
+        raise WireError(ErrorCode.VERSION_MISMATCH,
+                        f"protocol version {version!r}; this daemon speaks {VERSION}")
+    rid = _number(msg, "id")
+    op_name = _field(msg, "op", (str,))
+    op = _OPS.get(op_name)
+    if op is None:
+        raise WireError(ErrorCode.UNKNOWN_OP, f"unknown op {op_name[:64]!r}")
+    if op is Op.HELLO:
+        return _hello(op, rid, msg)
+    if op is Op.PING:
+        return PingRequest(op, rid, None)
+    if op in ADMIN_OPS:  # the token is checked first: without it, nothing else matters
+        token = _field(msg, "token", (str,), optional=True)
+        if token is None:
+            raise WireError(ErrorCode.PERMISSION_DENIED, f"{op.value} needs the admin token")
+        session = _number(msg, "session")
+        namespace = _field(msg, "namespace", (str,)) if op in (Op.CLEAR, Op.DROP) else None
+        force = bool(_field(msg, "force", (bool,), optional=True)) if op is Op.DROP else False
+        target = None
+        if op is Op.EVICT_SESSION:
+            target = _field(msg, "target", (str,)).lower()
+            if len(target) != 8 or any(c not in "0123456789abcdef" for c in target):
+                raise WireError(ErrorCode.INVALID_ARGUMENT,
+                                f"target must be a session's 8-hex-digit handle, not {target[:20]!r}")
+        return AdminRequest(op, rid, session, token, namespace, target, force)
+    session = _number(msg, "session")
+    if op in _KEY_OPS:
+        missing_ok = _field(msg, "missing_ok", (bool,), optional=True) if op is Op.ABORT else None
+        remote = _field(msg, "remote", (bool,), optional=True) if op is Op.LOOKUP else None
+        wait = _field(msg, "wait", (bool,), optional=True) if op in (Op.LOOKUP, Op.PREFETCH) else None
+        return KeysRequest(op, rid, session, _keys(msg), bool(missing_ok), bool(remote),
+                           wait is not False)
+    if op is Op.UNPIN:
+        return PagesRequest(op, rid, session, _pages(msg))
+    if op is Op.PUBLISH:
+        keys, as_keys = _keys(msg), _keys(msg, "as_keys")
+        if len(keys) != len(as_keys):
+            raise WireError(ErrorCode.INVALID_ARGUMENT,
+                            f"publish: {len(keys)} keys but {len(as_keys)} as_keys")
+        return PublishRequest(op, rid, session, keys, as_keys,
+                              bool(_field(msg, "pin", (bool,), optional=True)))
+    if op is Op.EVENTS:
+        return EventsRequest(op, rid, session, _number(msg, "after"), _limit(msg))
+    if op is Op.KEYS:
+        cursor = _number(msg, "cursor")
+        return KeysPageRequest(op, rid, session, cursor, _limit(msg))
+    return SessionRequest(op, rid, session)
