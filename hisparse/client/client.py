@@ -28,54 +28,27 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hisparse.client import backends
-from hisparse.client.fence import Fence
 from hisparse.client.pins import Pin
-from hisparse.client.regions import acquire_region, release_region
-from hisparse.client.transport import Transport, default_socket_path
+from hisparse.client.session import DEFAULT_TIMEOUT_S, ClientSession, Sessions, chunks
+from hisparse.client.storing import LOST_SESSION_RETRIES, store_chunk
+from hisparse.client.transport import default_socket_path
 from hisparse.extras import require
-from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired, ProtocolError, Timeout
+from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired
 from hisparse.layout import KVLayout, parse_size
-from hisparse.paths import read_access_key
-from hisparse.protocol import MAX_KEYS_PER_REQUEST, SLOT_BUSY, Op
-from hisparse.shm.fence import fence_dir_for
-from hisparse.shm.region import RegionMap
+from hisparse.protocol import MAX_KEYS_PER_REQUEST, Op
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 5.0
-LOST_SESSION_RETRIES = 2  # a store/load redone after its session was lost mid-way
-BUSY_POLL_MIN_S = 0.001
-BUSY_POLL_MAX_S = 0.05
+__all__ = ["DEFAULT_TIMEOUT_S", "Client", "ClientSession", "attach"]
 
-
-@dataclass(frozen=True, eq=False)
-class ClientSession:
-    """One daemon session and the region it was told about; replaced whole on re-hello."""
-
-    id: int
-    region: RegionMap
-    region_key: tuple[str, int]
-    lease_ttl_s: float
-    fence: Fence  # locked while any thread (or a job handed to another process) may touch its pages
-
-    @property
-    def fence_path(self) -> str:
-        """For another process that copies for this session: ``hisparse.client.fence.hold(path)``."""
-        return self.fence.path
-
-    @property
-    def handle(self) -> str:
-        """The 8 hex digits logs and ``hisparsectl`` show for this session."""
-        return f"{self.id:016x}"[:8]
 
 
 def attach(namespace: str, layout: KVLayout, socket: str | None = None,
@@ -110,83 +83,36 @@ class Client:
         self.layout = layout
         self.socket_path = socket_path
         self.timeout_s = timeout_s
-        self._capacity_bytes = capacity_bytes
-        self._populate = populate
-        self._name = f"pid {os.getpid()} {name or 'hisparse.client'}"
-        self._hello_lock = threading.Lock()
         self._counters_lock = threading.Lock()
         self.counters: dict[str, float] = dict.fromkeys(
             ("lookups", "lookup_keys", "hit_keys", "stored_pages", "stored_bytes", "store_s",
              "loaded_pages", "loaded_bytes", "load_s", "reconnects"), 0)
-        self._closed = False
-        self._transport = Transport(socket_path)
-        try:
-            self._session = self._hello()
-        except BaseException:
-            self._transport.close()
-            raise
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
-                                           name=f"hisparse-heartbeat-{namespace[:32]}")
-        self._heartbeat.start()
+        self._sessions = Sessions(namespace, layout, socket_path, capacity_bytes, timeout_s=timeout_s,
+                                  name=f"pid {os.getpid()} {name or 'hisparse.client'}",
+                                  populate=populate, on_reconnect=lambda: self._count(reconnects=1))
 
-    # -- sessions --
+    # -- sessions (hisparse.client.session) --
 
-    def _hello(self) -> ClientSession:
-        body = self._transport.call(Op.HELLO, self.timeout_s, namespace=self.namespace,
-                                    layout=self.layout, capacity_bytes=self._capacity_bytes,
-                                    client=self._name,
-                                    access_key=read_access_key(self.socket_path, self.namespace))
-        for warning in body.get("warnings") or ():
-            log.warning("hisparsed: %s", warning)
-        name = body.get("fence")
-        if not isinstance(name, str) or "/" in name or not name:
-            raise ProtocolError(f"hello reply names no fence file: {name!r}")
-        fence = Fence(os.path.join(fence_dir_for(self.socket_path), name))
-        try:
-            region, key = acquire_region(body.get("region"), self.layout, populate=self._populate)
-        except BaseException:
-            fence.retire()
-            raise
-        return ClientSession(int(body["session"]), region, key, float(body["lease_ttl_s"]), fence)
+    @property
+    def _session(self) -> ClientSession:
+        return self._sessions.session
 
-    def _rehello(self, lost: ClientSession) -> ClientSession:
-        with self._hello_lock:
-            if self._closed:
-                raise InvalidArgument("the client is closed")
-            if self._session is not lost:
-                return self._session  # another thread has already reconnected
-            fresh = self._hello()
-            self._session = fresh
-            release_region(lost.region_key)
-            # Threads still copying under the lost session keep its fence until they are done.
-            lost.fence.retire()
-            self._count(reconnects=1)
-            log.info("session %s on %r lost (daemon restart or lease expiry); reattached as %s",
-                     lost.handle, self.namespace, fresh.handle)
-            return fresh
+    @property
+    def _closed(self) -> bool:
+        return self._sessions.closed
 
     def _session_is_live(self, session: ClientSession) -> bool:
-        return not self._closed and self._session is session
+        return self._sessions.is_live(session)
 
     def _current(self) -> ClientSession:
-        if self._closed:
-            raise InvalidArgument("the client is closed")
-        return self._session
+        return self._sessions.current()
 
     def _call_in(self, session: ClientSession, op: Op, timeout_s: float | None = None,
                  **fields: Any) -> dict[str, Any]:
-        """One request on ``session``; ``LeaseExpired`` when the daemon no longer knows it."""
-        return self._transport.call(op, timeout_s or self.timeout_s, session=session.id, **fields)
+        return self._sessions.call_in(session, op, timeout_s, **fields)
 
     def _call(self, op: Op, timeout_s: float | None = None, **fields: Any) -> tuple[dict[str, Any], ClientSession]:
-        """One request on the current session, re-attaching once if the session was lost."""
-        session = self._current()
-        try:
-            return self._call_in(session, op, timeout_s, **fields), session
-        except LeaseExpired:
-            session = self._rehello(session)
-            return self._call_in(session, op, timeout_s, **fields), session
+        return self._sessions.call(op, timeout_s, **fields)
 
     # -- the low-level surface --
     # For adapters that split a store or a load across steps or processes
@@ -214,23 +140,6 @@ class Client:
         """One request on ``session`` exactly; ``LeaseExpired`` when the daemon no longer knows it."""
         return self._call_in(session, op, timeout_s, **fields)
 
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self._session.lease_ttl_s / 3):
-            try:
-                body, session = self._call(Op.HEARTBEAT,
-                                           timeout_s=min(self.timeout_s, self._session.lease_ttl_s / 3))
-                self._follow_lease(session, body)
-            except HisparseError as exc:
-                # The next beat (or the next call) tries again; calls raise on their own.
-                log.debug("heartbeat on %r failed: %s", self.namespace, exc)
-
-    def _follow_lease(self, session: ClientSession, body: dict[str, Any]) -> None:
-        """Adopt the lease the daemon now grants (SIGHUP may have changed it)."""
-        ttl = body.get("lease_ttl_s")
-        if isinstance(ttl, (int, float)) and ttl > 0 and ttl != session.lease_ttl_s:
-            log.info("hisparsed's lease is now %.1fs (was %.1fs)", ttl, session.lease_ttl_s)
-            object.__setattr__(session, "lease_ttl_s", float(ttl))  # frozen for callers, not for us
-
     def _count(self, **deltas: float) -> None:
         with self._counters_lock:
             for name, delta in deltas.items():
@@ -242,7 +151,7 @@ class Client:
         """How many leading keys are committed."""
         keys = list(keys)
         count = 0
-        for chunk in _chunks(keys):
+        for chunk in chunks(keys):
             n = int(self._call(Op.LOOKUP, keys=chunk)[0]["count"])
             count += n
             if n < len(chunk):
@@ -269,7 +178,7 @@ class Client:
         the daemon has no cluster tier or the cluster did not answer within its ``cluster.timeout``.
         """
         total: dict[str, Any] = {"missing_keys": []}
-        for chunk in _chunks(list(keys)):
+        for chunk in chunks(list(keys)):
             body = self._call(Op.PREFETCH, keys=chunk, wait=wait)[0]
             for name, value in body.items():
                 if isinstance(value, list):
@@ -297,93 +206,13 @@ class Client:
         written = 0
         for start in range(0, len(keys), MAX_KEYS_PER_REQUEST):
             chunk = keys[start:start + MAX_KEYS_PER_REQUEST]
-            n, full = self._store_chunk(chunk, pages[start:start + len(chunk)], backend)
+            n, full = store_chunk(self._sessions, chunk, pages[start:start + len(chunk)], backend)
             written += n
             if full:
                 break
         self._count(stored_pages=written, stored_bytes=written * self.layout.page_bytes,
                     store_s=time.perf_counter() - started)
         return written
-
-    def _store_chunk(self, keys: list[bytes], pages: Any,
-                     backend: backends.Backend) -> tuple[int, bool]:
-        todo = list(range(len(keys)))  # indices not yet committed by anyone, in key order
-        written, full, lost = 0, False, 0
-        busy_deadline = None
-        poll_s = BUSY_POLL_MIN_S
-        while todo:
-            body, session = self._reserve([keys[i] for i in todo])
-            slots = body["slots"]
-            full = full or len(slots) < len(todo)
-            mine = [(todo[j], s) for j, s in enumerate(slots) if s >= 0]
-            busy = [todo[j] for j, s in enumerate(slots) if s == SLOT_BUSY]
-            if mine:
-                try:
-                    self._write(session, keys, pages, mine, backend)
-                except LeaseExpired:
-                    lost += 1
-                    if lost > LOST_SESSION_RETRIES:
-                        raise
-                    todo = sorted([i for i, _ in mine] + busy)  # reservations died with the session
-                    continue
-                written += len(mine)
-            if not busy:
-                break
-            # Another session (a TP rank storing the same chain) is writing these:
-            # wait for its commit, or for its abort (then they are reserved here).
-            now = time.monotonic()
-            if busy_deadline is None:
-                busy_deadline = now + self.timeout_s + session.lease_ttl_s
-            elif now > busy_deadline:
-                raise Timeout(f"store: {len(busy)} keys are still being written by another session")
-            time.sleep(poll_s)
-            poll_s = min(poll_s * 2, BUSY_POLL_MAX_S)
-            todo = busy
-        return written, full
-
-    def _reserve(self, keys: list[bytes]) -> tuple[dict[str, Any], ClientSession]:
-        """reserve; if its reply is lost, abort whatever it may have reserved, at once."""
-        session = self._current()
-        try:
-            return self._call(Op.RESERVE, keys=keys)
-        except LeaseExpired:
-            raise
-        except BaseException:
-            # Timeout, Ctrl-C: the daemon may have reserved pages whose ids we never
-            # learned. Without this they would stay WRITING while heartbeats keep the lease.
-            try:
-                self._call_in(session, Op.ABORT, keys=keys, missing_ok=True)
-            except BaseException as exc:
-                log.warning("abort after a lost reserve reply failed (%s); the lease reaper "
-                            "frees those pages if this client dies", exc)
-            raise
-
-    def _write(self, session: ClientSession, keys: list[bytes], pages: Any,
-               mine: list[tuple[int, int]], backend: backends.Backend) -> None:
-        """Copy reserved pages in and commit them; abort them on any failure before the commit."""
-        mine_keys = [keys[i] for i, _ in mine]
-        try:
-            # The fence keeps these pages ours however long this thread stalls
-            # in the copy; the daemon refuses the commit if the lease ran out.
-            with session.fence.use("store"):
-                backend.scatter(session.region, np.array([p for _, p in mine], dtype=np.int64),
-                                pages, np.array([i for i, _ in mine], dtype=np.int64))
-        except LeaseExpired:
-            raise
-        except BaseException:
-            self._abort_quietly(session, mine_keys)
-            raise
-        for chunk in _chunks(mine_keys):
-            self._call_in(session, Op.COMMIT, keys=chunk)
-
-    def _abort_quietly(self, session: ClientSession, keys: list[bytes]) -> None:
-        try:
-            for chunk in _chunks(keys):
-                self._call_in(session, Op.ABORT, keys=chunk)
-        except HisparseError as exc:
-            # Unreachable daemon or lost session: the lease reaper aborts them instead.
-            log.warning("abort of %d reserved pages failed (%s); they expire with the lease",
-                        len(keys), exc)
 
     def load(self, keys: list[bytes], out: torch.Tensor | np.ndarray) -> int:
         """Fill ``out[:m]`` with the pages of the committed prefix of ``keys``; returns ``m``.
@@ -432,7 +261,7 @@ class Client:
         for attempt in range(LOST_SESSION_RETRIES + 1):
             session, pinned, page_ids = self._pin_prefix(keys)
             try:
-                return Pin(self, session, pinned, page_ids.tolist())
+                return Pin(self._sessions, session, pinned, page_ids.tolist())
             except LeaseExpired:
                 # Another thread re-attached and let the session's fence go in
                 # between: those pins are lost with it. Pin again.
@@ -446,7 +275,7 @@ class Client:
             session: ClientSession | None = None
             pages: list[int] = []
             try:
-                for chunk in _chunks(keys):
+                for chunk in chunks(keys):
                     if session is None:
                         body, session = self._call(Op.PIN, keys=chunk)
                     else:
@@ -461,10 +290,7 @@ class Client:
         raise LeaseExpired("pin: the session was lost repeatedly")
 
     def _unpin(self, session: ClientSession, page_ids: Any) -> None:
-        """Unpin by page id, as the pin replies named them (a key may sit in two pages)."""
-        pages = [int(p) for p in page_ids]
-        for start in range(0, len(pages), MAX_KEYS_PER_REQUEST):
-            self._call_in(session, Op.UNPIN, pages=pages[start:start + MAX_KEYS_PER_REQUEST])
+        self._sessions.unpin(session, page_ids)
 
     def _unpin_quietly(self, session: ClientSession, page_ids: Any) -> None:
         try:
@@ -509,23 +335,7 @@ class Client:
 
     def close(self) -> None:
         """Say bye (releasing this session's pins and reservations) and stop the heartbeat."""
-        with self._hello_lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._stop.set()
-        if self._heartbeat is not threading.current_thread():
-            self._heartbeat.join(timeout=self.timeout_s)
-        session = self._session
-        # Let go of the fence first (unless a Pin or a copy still uses it), so
-        # that the daemon frees this session's pages at once on the bye.
-        session.fence.retire()
-        try:
-            self._call_in(session, Op.BYE, timeout_s=min(self.timeout_s, 1.0))
-        except HisparseError as exc:
-            log.debug("bye failed (%s); the lease expires instead", exc)
-        self._transport.close()
-        release_region(session.region_key)
+        self._sessions.close()
 
     def __enter__(self) -> Client:
         return self
@@ -536,6 +346,3 @@ class Client:
     def __repr__(self) -> str:
         return f"Client({self.namespace!r}, {self.layout}, socket={self.socket_path!r})"
 
-
-def _chunks(keys: list[bytes]) -> list[list[bytes]]:
-    return [keys[i:i + MAX_KEYS_PER_REQUEST] for i in range(0, len(keys), MAX_KEYS_PER_REQUEST)]

@@ -28,7 +28,7 @@ from hisparse.errors import InvalidArgument, LeaseExpired
 if TYPE_CHECKING:
     import torch
 
-    from hisparse.client.client import Client, ClientSession
+    from hisparse.client.session import ClientSession, Sessions
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 class Pin:
     """Pinned pages of a key chain's committed prefix (``len(pin)`` of them)."""
 
-    def __init__(self, client: Client, session: ClientSession, keys: list[bytes], page_ids: list[int]) -> None:
-        self._client = client
+    def __init__(self, sessions: Sessions, session: ClientSession, keys: list[bytes], page_ids: list[int]) -> None:
+        self._sessions = sessions
         self._session = session
         self.keys = keys
         self.page_ids = np.asarray(page_ids, dtype=np.int64)
@@ -60,15 +60,15 @@ class Pin:
     @property
     def held(self) -> bool:
         """True while this pin is neither released nor lost with its session."""
-        return (not self._released and self._client._session_is_live(self._session)
+        return (not self._released and self._sessions.is_live(self._session)
                 and self._session.fence.live)
 
     def _check_held(self) -> None:
         if self._released:
             raise InvalidArgument("this pin was released")
-        if self._client._closed:
+        if self._sessions.closed:
             raise InvalidArgument("the client that took this pin is closed")
-        if not self._client._session_is_live(self._session) or not self._session.fence.live:
+        if not self._sessions.is_live(self._session) or not self._session.fence.live:
             raise LeaseExpired("the session that took this pin is gone (daemon restart or lease "
                                "expiry); its pins are lost: pin again")
 
@@ -91,8 +91,8 @@ class Pin:
                 return
             self._released = True
         try:
-            if self.count and self._client._session_is_live(self._session) and self._session.fence.live:
-                self._client._unpin(self._session, self.page_ids)
+            if self.count and self._sessions.is_live(self._session) and self._session.fence.live:
+                self._sessions.unpin(self._session, self.page_ids)
         except LeaseExpired:
             pass  # lost with its session meanwhile: nothing left to unpin
         finally:

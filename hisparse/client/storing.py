@@ -1,0 +1,110 @@
+"""The store path: reserve -> copy into the region -> commit, for one request's worth of keys.
+
+A page becomes visible only at its commit; any failure between reserve and
+commit aborts the reservations this call took, so no partial page is ever
+seen. Keys another session is writing (``SLOT_BUSY``) are waited for: its
+commit makes them committed here too, its abort hands them to this call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from hisparse.client import backends
+from hisparse.client.session import ClientSession, Sessions, chunks
+from hisparse.errors import HisparseError, LeaseExpired, Timeout
+from hisparse.protocol import SLOT_BUSY, Op
+
+log = logging.getLogger(__name__)
+
+LOST_SESSION_RETRIES = 2  # a store/load redone after its session was lost mid-way
+BUSY_POLL_MIN_S = 0.001
+BUSY_POLL_MAX_S = 0.05
+
+
+def store_chunk(sessions: Sessions, keys: list[bytes], pages: Any,
+                 backend: backends.Backend) -> tuple[int, bool]:
+    todo = list(range(len(keys)))  # indices not yet committed by anyone, in key order
+    written, full, lost = 0, False, 0
+    busy_deadline = None
+    poll_s = BUSY_POLL_MIN_S
+    while todo:
+        body, session = _reserve(sessions, [keys[i] for i in todo])
+        slots = body["slots"]
+        full = full or len(slots) < len(todo)
+        mine = [(todo[j], s) for j, s in enumerate(slots) if s >= 0]
+        busy = [todo[j] for j, s in enumerate(slots) if s == SLOT_BUSY]
+        if mine:
+            try:
+                _write(sessions, session, keys, pages, mine, backend)
+            except LeaseExpired:
+                lost += 1
+                if lost > LOST_SESSION_RETRIES:
+                    raise
+                todo = sorted([i for i, _ in mine] + busy)  # reservations died with the session
+                continue
+            written += len(mine)
+        if not busy:
+            break
+        # Another session (a TP rank storing the same chain) is writing these:
+        # wait for its commit, or for its abort (then they are reserved here).
+        now = time.monotonic()
+        if busy_deadline is None:
+            busy_deadline = now + sessions.timeout_s + session.lease_ttl_s
+        elif now > busy_deadline:
+            raise Timeout(f"store: {len(busy)} keys are still being written by another session")
+        time.sleep(poll_s)
+        poll_s = min(poll_s * 2, BUSY_POLL_MAX_S)
+        todo = busy
+    return written, full
+
+
+def _reserve(sessions: Sessions, keys: list[bytes]) -> tuple[dict[str, Any], ClientSession]:
+    """reserve; if its reply is lost, abort whatever it may have reserved, at once."""
+    session = sessions.current()
+    try:
+        return sessions.call(Op.RESERVE, keys=keys)
+    except LeaseExpired:
+        raise
+    except BaseException:
+        # Timeout, Ctrl-C: the daemon may have reserved pages whose ids we never
+        # learned. Without this they would stay WRITING while heartbeats keep the lease.
+        try:
+            sessions.call_in(session, Op.ABORT, keys=keys, missing_ok=True)
+        except BaseException as exc:
+            log.warning("abort after a lost reserve reply failed (%s); the lease reaper "
+                        "frees those pages if this client dies", exc)
+        raise
+
+
+def _write(sessions: Sessions, session: ClientSession, keys: list[bytes], pages: Any,
+           mine: list[tuple[int, int]], backend: backends.Backend) -> None:
+    """Copy reserved pages in and commit them; abort them on any failure before the commit."""
+    mine_keys = [keys[i] for i, _ in mine]
+    try:
+        # The fence keeps these pages ours however long this thread stalls
+        # in the copy; the daemon refuses the commit if the lease ran out.
+        with session.fence.use("store"):
+            backend.scatter(session.region, np.array([p for _, p in mine], dtype=np.int64),
+                            pages, np.array([i for i, _ in mine], dtype=np.int64))
+    except LeaseExpired:
+        raise
+    except BaseException:
+        _abort_quietly(sessions, session, mine_keys)
+        raise
+    for chunk in chunks(mine_keys):
+        sessions.call_in(session, Op.COMMIT, keys=chunk)
+
+
+def _abort_quietly(sessions: Sessions, session: ClientSession, keys: list[bytes]) -> None:
+    try:
+        for chunk in chunks(keys):
+            sessions.call_in(session, Op.ABORT, keys=chunk)
+    except HisparseError as exc:
+        # Unreachable daemon or lost session: the lease reaper aborts them instead.
+        log.warning("abort of %d reserved pages failed (%s); they expire with the lease",
+                    len(keys), exc)
