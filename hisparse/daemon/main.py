@@ -20,7 +20,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from hisparse import protocol
+from hisparse import pipes, protocol
 from hisparse.daemon import config as config_mod
 from hisparse.daemon import notify, trust
 from hisparse.daemon.access import AccessControl, give_to_group
@@ -240,6 +240,10 @@ def run(cfg: config_mod.Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return pipes.run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     flags = {"socket": args.socket, "capacity": args.capacity, "shm_dir": args.shm_dir,
              "meta_dir": args.meta_dir, "lease_ttl": args.lease_ttl, "log_level": args.log_level,
