@@ -44,6 +44,18 @@ def test_readme_and_deploy_name_what_sighup_reloads():
             assert f"`{toml_key[field]}`" in sentence, (path, field, sentence)
 
 
+def test_readme_synopsis_has_every_hisparsed_flag(capsys):
+    from hisparse.daemon import main
+
+    synopsis = read("README.md").split("## Command line", 1)[1].split("```", 2)[1]
+    try:
+        main.parse_args(["--help"])
+    except SystemExit:
+        pass
+    flags = set(re.findall(r"(--[a-z][a-z-]+)", capsys.readouterr().out)) - {"--help"}
+    assert flags and all(flag in synopsis for flag in flags), sorted(f for f in flags if f not in synopsis)
+
+
 def test_readme_synopsis_has_every_hisparsectl_flag():
     readme = read("README.md")
     synopsis = readme.split("## Command line", 1)[1].split("```", 2)[1]
