@@ -221,7 +221,7 @@ class Client:
         self._count(stored_pages=written, stored_bytes=written * self.layout.page_bytes,
                     store_s=time.perf_counter() - started)
         result = StoreResult(written, present, len(keys) - written - present)
-        self._short_stores.note(result)
+        self._short_stores.note(result, self.num_pages)
         return result
 
     def load(self, keys: list[bytes], out: torch.Tensor | np.ndarray) -> int:

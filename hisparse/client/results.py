@@ -5,15 +5,18 @@ has always returned: ``==``, arithmetic and ``int()`` work as before), that
 also says what became of every key:
 
 - ``stored``: newly written and committed by this call (the int value);
-- ``present``: already committed (by anyone) and left as they were;
+- ``present``: already committed (by anyone) when the store reached them, so not
+  written again;
 - ``not_stored``: not written because the region had no room for them (every
   page is pinned or being written, so nothing could be evicted) or the
   session's reserve quota ran out. ``store`` places keys in order and stops at the first that finds no
   room, so these are the tail of the keys; none of them is committed by this
   call.
 
-``stored + present + not_stored == len(keys)``. ``complete`` is true when every
-key is committed now (``not_stored == 0``).
+``stored + present + not_stored == len(keys)``. ``complete`` is true when no key
+was left out (``not_stored == 0``): each was written or found committed. (A
+store of more keys than the region holds can evict its own earlier keys to
+place later ones, as any store evicts the least recently used pages.)
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class StoreResult(int):
 
     @property
     def complete(self) -> bool:
-        """Every key is committed now: written by this call or already there."""
+        """No key was left out for want of room: each was written or found committed."""
         return self.not_stored == 0
 
     def __getnewargs__(self) -> tuple[int, int, int]:  # type: ignore[override]
@@ -69,7 +72,8 @@ class ShortStoreWarnings:
         self._quiet_stores = 0
         self._quiet_keys = 0
 
-    def note(self, result: StoreResult) -> None:
+    def note(self, result: StoreResult, num_pages: int) -> None:
+        """Warn about ``result`` if it left keys out, unless a warning went out within the interval."""
         if result.not_stored == 0:
             return
         now = time.monotonic()
@@ -83,10 +87,10 @@ class ShortStoreWarnings:
         since = (f"; since the last warning {quiet_stores} more stores left {quiet_keys} keys out"
                  if quiet_stores else "")
         self._log.warning(
-            "store into namespace %r: %d of %d keys not stored, no room (the rest: %d written, "
-            "%d already there): every page of the region is pinned or being written, or the "
-            "session's reserve quota is spent; give the namespace more capacity or release pins "
-            "(at most one such warning "
-            "per %.0f s%s)", self._namespace, result.not_stored,
+            "store into namespace %r (%d pages): %d of %d keys not stored (%d written, %d already "
+            "there): no page left to write or evict, as all are pinned or being written (this "
+            "store's own included), or the session's reserve quota is spent; give the namespace "
+            "more capacity, release pins or store fewer keys at once (at most one such warning "
+            "per %.0f s%s)", self._namespace, num_pages, result.not_stored,
             result.stored + result.present + result.not_stored, result.stored, result.present,
             self._interval_s, since)

@@ -37,7 +37,7 @@ def test_a_store_into_a_full_region_counts_what_it_left_out_and_warns_once(hispa
             assert (again.stored, again.present, again.not_stored) == (5, 8, 7)
     warnings = [rec.getMessage() for rec in caplog.records if "not stored" in rec.getMessage()]
     assert len(warnings) == 1, warnings
-    assert "12 of 20 keys not stored" in warnings[0] and "results/small" in warnings[0]
+    assert "'results/small' (8 pages): 12 of 20 keys not stored" in warnings[0]
 
 
 def test_a_store_that_places_every_key_is_complete_and_quiet(hisparsed, caplog):
