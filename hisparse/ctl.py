@@ -155,8 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     cl = sub.add_parser("clear", help="drop every committed page of a namespace")
     cl.add_argument("namespace")
     dr = sub.add_parser("drop", help="remove a namespace and its region; its memory goes back "
-                        "to the daemon's capacity (an engine still attached creates it again, "
-                        "empty, at its next request: stop engines first)")
+                        "to the daemon's capacity (refused while engines are attached; one "
+                        "that attaches later creates it again, empty)")
     dr.add_argument("namespace")
     dr.add_argument("--force", action="store_true", help="also end the sessions attached to it (their "
                     "clients re-attach and re-create the namespace at their next request)")
