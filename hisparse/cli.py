@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from hisparse import pipes
+
 _SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hisparse.demo", "a daemon and two engines sharing a prefix"),
     "plan": ("hisparse.sim.plan", "capacity planner: running requests, host memory, PCIe time"),
@@ -23,6 +25,10 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return pipes.run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())

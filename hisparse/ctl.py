@@ -6,7 +6,8 @@
 Exit codes, for scripts: 0 done; 1 the daemon refused or failed the request;
 2 bad usage; 3 no daemon (no socket file, nothing listening on it, or no
 answer within ``--timeout``); 4 permission denied (the socket, the admin
-token, or a wrong token).
+token missing or unreadable, or a wrong token); 141 its output pipe was
+closed early (``| head``), as for any tool SIGPIPE ends.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from hisparse import ctlviews, protocol
+from hisparse import ctlviews, pipes, protocol
 from hisparse.client.transport import Transport
 from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired, PermissionDenied
 from hisparse.layout import format_size
@@ -77,6 +78,7 @@ class Control:
 
 
 def read_token(socket_path: str, token_file: str | None) -> str:
+    """The admin token, or ``PermissionDenied`` (exit 4) naming the file and what to do."""
     path = token_file or os.path.join(os.path.dirname(os.path.abspath(socket_path)), "hisparsed.token")
     try:
         with open(path) as f:
@@ -84,7 +86,26 @@ def read_token(socket_path: str, token_file: str | None) -> str:
     except PermissionError:
         raise PermissionDenied(f"cannot read the admin token {path}: run as the daemon's user or root") from None
     except FileNotFoundError:
-        raise HisparseError(f"no admin token at {path}: is hisparsed running on {socket_path}?") from None
+        if token_file:
+            raise PermissionDenied(f"no admin token at {path} (--token-file): give the file hisparsed "
+                                   "wrote (its admin_token_file; default hisparsed.token beside its "
+                                   "socket)") from None
+        raise PermissionDenied(f"no admin token at {path}, where hisparsed on {socket_path} writes it "
+                               "by default: if its config sets admin_token_file, pass that file with "
+                               "--token-file") from None
+    except OSError as exc:
+        raise PermissionDenied(f"cannot read the admin token {path}: {exc.strerror or exc}") from None
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds above 0 (else a usage error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
+    return value
 
 
 def check_socket(path: str) -> None:
@@ -111,11 +132,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hisparsectl", description="inspect and control a running hisparsed",
         epilog="exit codes: 0 done, 1 refused by the daemon, 2 bad usage, 3 no daemon, "
-               "4 permission denied")
+               "4 permission denied (socket, admin token), 141 output pipe closed (| head)")
     p.add_argument("--socket", metavar="PATH", help="default: $HISPARSE_SOCKET, /run/hisparsed/"
                    "hisparsed.sock, or the embedded default")
     p.add_argument("--token-file", metavar="PATH", help="default: hisparsed.token beside the socket")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=positive_seconds, default=5.0, metavar="SECONDS",
                    help="wait this long for an answer (default 5)")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("ping", help="is the daemon up")
@@ -124,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("namespaces", help="each namespace's layout, region size and use")
     sub.add_parser("sessions", help="open sessions: client, age, silence, reservations, pins")
     top = sub.add_parser("top", help="a refreshing view of use and rates (Ctrl-C quits)")
-    top.add_argument("--interval", type=float, default=2.0, metavar="SECONDS", help="default 2")
+    top.add_argument("--interval", type=positive_seconds, default=2.0, metavar="SECONDS",
+                     help="seconds between screens, above 0 (default 2)")
     top.add_argument("--count", type=int, default=0, metavar="N",
                      help="stop after N screens (default: until interrupted)")
     me = sub.add_parser("metrics", help="the Prometheus text the metrics endpoint serves")
@@ -133,9 +155,11 @@ def _parser() -> argparse.ArgumentParser:
     cl = sub.add_parser("clear", help="drop every committed page of a namespace")
     cl.add_argument("namespace")
     dr = sub.add_parser("drop", help="remove a namespace and its region; its memory goes back "
-                        "to the daemon's capacity")
+                        "to the daemon's capacity (refused while engines are attached; one "
+                        "that attaches later creates it again, empty)")
     dr.add_argument("namespace")
-    dr.add_argument("--force", action="store_true", help="also end the sessions attached to it")
+    dr.add_argument("--force", action="store_true", help="also end the sessions attached to it (their "
+                    "clients re-attach and re-create the namespace at their next request)")
     ev = sub.add_parser("evict-session", help="free a live or fenced session's pages now "
                         "(its process, if alive, may still write into them: your call)")
     ev.add_argument("handle", help="the 8-hex-digit handle that hisparsectl sessions shows")
@@ -197,8 +221,11 @@ def _run(ctl: Control, args: argparse.Namespace, socket_path: str) -> None:
         token = read_token(socket_path, args.token_file)
         r = ctl.call(protocol.Op.DROP, namespace=args.namespace, token=token,
                      force=True if args.force else None)
+        ended = r["ended_sessions"]
         print(f"dropped {args.namespace!r}: {format_size(r['freed_bytes'])} back to the capacity, "
-              f"{r['ended_sessions']} sessions ended")
+              f"{ended} sessions ended" + (" (their clients re-create the namespace, empty, at "
+                                           "their next request: stop those engines to keep it "
+                                           "gone)" if ended else ""))
     elif args.command == "evict-session":
         token = read_token(socket_path, args.token_file)
         r = ctl.call(protocol.Op.EVICT_SESSION, target=args.handle, token=token)
@@ -207,6 +234,10 @@ def _run(ctl: Control, args: argparse.Namespace, socket_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return pipes.run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     socket_path = args.socket or default_socket_path()
     try:
@@ -216,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         return exit_code(exc)
     try:  # the daemon's user and root see every namespace; others the open ones
         quiet_token: str | None = read_token(socket_path, args.token_file)
-    except HisparseError:
+    except HisparseError as exc:
+        if args.token_file:  # asked for by name: a missing or unreadable one is an error
+            print(f"hisparsectl: {exc}", file=sys.stderr)
+            return exit_code(exc)
         quiet_token = None
     try:
         ctl = Control(socket_path, args.timeout, quiet_token)

@@ -46,7 +46,7 @@ class Timeout(HisparseError):
 
 
 class ClusterUnavailable(HisparseError):
-    """The daemon has no cluster tier, or the cluster did not answer in time (issue 15)."""
+    """The daemon has no cluster tier, or the cluster did not answer in time (docs/cluster.md)."""
 
 
 class PermissionDenied(HisparseError):

@@ -8,6 +8,7 @@ dependencies), its daemon serves a real ping, and the staged unit passes
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import stat
@@ -70,6 +71,10 @@ def test_install_into_a_temporary_root_then_uninstall(tmp_path):
     assert os.access(f"{root}{binary}", os.X_OK)
     doc = next(line for line in unit.splitlines() if line.startswith("Documentation="))
     assert os.path.isfile(str(root) + doc.removeprefix("Documentation=file://"))
+    # every doc file deploy.md names is in the doc folder, the Grafana dashboard too
+    named = set(re.findall(r"`docs/([\w.-]+\.(?:md|json))`", open(os.path.join(REPO, "docs/deploy.md")).read()))
+    assert "grafana-hisparse.json" in named
+    assert named <= set(os.listdir(root / "opt/hisparse/doc")), named - set(os.listdir(root / "opt/hisparse/doc"))
     assert (root / "etc/hisparse/hisparsed.toml").read_text() == \
         open(os.path.join(REPO, "systemd/hisparsed.toml")).read()
     assert os.readlink(root / "usr/local/bin/hisparsectl") == "/opt/hisparse/venv/bin/hisparsectl"

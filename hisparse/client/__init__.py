@@ -12,7 +12,9 @@ import time: the CUDA backend loads on the first CUDA tensor it is given.
 from __future__ import annotations
 
 from hisparse.client.client import Client, ClientSession, attach
+from hisparse.client.keys import KeyTypeError
 from hisparse.client.pins import Pin
+from hisparse.client.results import StoreResult
 from hisparse.client.transport import default_socket_path
 
-__all__ = ["Client", "ClientSession", "Pin", "attach", "default_socket_path"]
+__all__ = ["Client", "ClientSession", "KeyTypeError", "Pin", "StoreResult", "attach", "default_socket_path"]

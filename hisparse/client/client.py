@@ -33,7 +33,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hisparse.client import backends
+from hisparse.client.keys import check_keys
 from hisparse.client.pins import Pin
+from hisparse.client.results import ShortStoreWarnings, StoreResult
 from hisparse.client.session import DEFAULT_TIMEOUT_S, ClientSession, Sessions, chunks
 from hisparse.client.storing import LOST_SESSION_RETRIES, store_chunk
 from hisparse.client.transport import default_socket_path
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Client", "ClientSession", "attach"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Client", "ClientSession", "StoreResult", "attach"]
 
 
 
@@ -90,6 +92,7 @@ class Client:
         self._sessions = Sessions(namespace, layout, socket_path, capacity_bytes, timeout_s=timeout_s,
                                   name=f"pid {os.getpid()} {name or 'hisparse.client'}",
                                   populate=populate, on_reconnect=lambda: self._count(reconnects=1))
+        self._short_stores = ShortStoreWarnings(log, namespace)
 
     # -- sessions (hisparse.client.session) --
 
@@ -149,7 +152,7 @@ class Client:
 
     def lookup(self, keys: list[bytes]) -> int:
         """How many leading keys are committed."""
-        keys = list(keys)
+        keys = check_keys(keys, "lookup")
         count = 0
         for chunk in chunks(keys):
             n = int(self._call(Op.LOOKUP, keys=chunk)[0]["count"])
@@ -164,7 +167,7 @@ class Client:
         daemon's cluster tier holds (0 without one). ``wait=False`` answers at once from what
         the daemon already knows and lets it ask the cluster meanwhile. Looks at the first
         ``MAX_KEYS_PER_REQUEST`` keys (65,536)."""
-        keys = list(keys)[:MAX_KEYS_PER_REQUEST]
+        keys = check_keys(keys, "lookup_remote")[:MAX_KEYS_PER_REQUEST]
         body = self._call(Op.LOOKUP, keys=keys, remote=True, wait=wait)[0]
         local = int(body["count"])
         self._count(lookups=1, lookup_keys=len(keys), hit_keys=local)
@@ -178,7 +181,7 @@ class Client:
         the daemon has no cluster tier or the cluster did not answer within its ``cluster.timeout``.
         """
         total: dict[str, Any] = {"missing_keys": []}
-        for chunk in chunks(list(keys)):
+        for chunk in chunks(check_keys(keys, "prefetch")):
             body = self._call(Op.PREFETCH, keys=chunk, wait=wait)[0]
             for name, value in body.items():
                 if isinstance(value, list):
@@ -187,39 +190,46 @@ class Client:
                     total[name] = total.get(name, 0) + int(value)
         return total
 
-    def store(self, keys: list[bytes], pages: torch.Tensor | np.ndarray) -> int:
+    def store(self, keys: list[bytes], pages: torch.Tensor | np.ndarray) -> StoreResult:
         """Store pages for keys not yet committed; returns how many were newly written.
 
         ``pages``: uint8 ``[len(keys), page_bytes]``, CPU or CUDA (or a numpy
-        array, copied without torch). Stops quietly at the first key the region
-        has no room for. Keys another session (or thread) is writing are waited
-        for, bounded by ``timeout_s`` plus the lease ttl, then ``Timeout``.
+        array, copied without torch). The result is that count as an ``int``
+        (a ``StoreResult``) that also counts the keys ``present`` (already
+        committed) and ``not_stored``: the region had no room from that key on
+        (every page pinned or being written), which is logged as a warning (at
+        most once a minute per client). Keys another session (or thread) is
+        writing are waited for, bounded by ``timeout_s`` plus the lease ttl,
+        then ``Timeout``.
         """
-        keys = list(keys)
+        keys = check_keys(keys, "store")
         if len(set(keys)) != len(keys):
             raise InvalidArgument("store: a key is listed twice")
         pages = backends.check_pages(pages, len(keys), self.layout.page_bytes, "pages", exact=True)
         if not keys:
-            return 0
+            return StoreResult(0)
         backend = backends.for_tensor(pages)
         started = time.perf_counter()
-        written = 0
+        written = present = 0
         for start in range(0, len(keys), MAX_KEYS_PER_REQUEST):
             chunk = keys[start:start + MAX_KEYS_PER_REQUEST]
-            n, full = store_chunk(self._sessions, chunk, pages[start:start + len(chunk)], backend)
+            n, there, full = store_chunk(self._sessions, chunk, pages[start:start + len(chunk)], backend)
             written += n
+            present += there
             if full:
                 break
         self._count(stored_pages=written, stored_bytes=written * self.layout.page_bytes,
                     store_s=time.perf_counter() - started)
-        return written
+        result = StoreResult(written, present, len(keys) - written - present)
+        self._short_stores.note(result, self.num_pages)
+        return result
 
     def load(self, keys: list[bytes], out: torch.Tensor | np.ndarray) -> int:
         """Fill ``out[:m]`` with the pages of the committed prefix of ``keys``; returns ``m``.
 
         ``out``: uint8 ``[>= len(keys), page_bytes]``, CPU or CUDA, rows contiguous.
         """
-        keys = list(keys)
+        keys = check_keys(keys, "load")
         out = backends.check_pages(out, len(keys), self.layout.page_bytes, "out", exact=False)
         if not keys:
             return 0
@@ -257,7 +267,7 @@ class Client:
 
     def pin(self, keys: list[bytes]) -> Pin:
         """Pin the committed prefix of ``keys``; use as ``with c.pin(keys) as p:``."""
-        keys = list(keys)
+        keys = check_keys(keys, "pin")
         for attempt in range(LOST_SESSION_RETRIES + 1):
             session, pinned, page_ids = self._pin_prefix(keys)
             try:

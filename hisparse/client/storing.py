@@ -17,7 +17,7 @@ import numpy as np
 from hisparse.client import backends
 from hisparse.client.session import ClientSession, Sessions, chunks
 from hisparse.errors import HisparseError, LeaseExpired, Timeout
-from hisparse.protocol import SLOT_BUSY, Op
+from hisparse.protocol import SLOT_BUSY, SLOT_COMMITTED, Op
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +27,17 @@ BUSY_POLL_MAX_S = 0.05
 
 
 def store_chunk(sessions: Sessions, keys: list[bytes], pages: Any,
-                 backend: backends.Backend) -> tuple[int, bool]:
+                backend: backends.Backend) -> tuple[int, int, bool]:
+    """Store one request's worth of keys: (newly written, already committed, ran out of room)."""
     todo = list(range(len(keys)))  # indices not yet committed by anyone, in key order
-    written, full, lost = 0, False, 0
+    written, present, full, lost = 0, 0, False, 0
     busy_deadline = None
     poll_s = BUSY_POLL_MIN_S
     while todo:
         body, session = _reserve(sessions, [keys[i] for i in todo])
         slots = body["slots"]
         full = full or len(slots) < len(todo)
+        present += sum(1 for s in slots if s == SLOT_COMMITTED)
         mine = [(todo[j], s) for j, s in enumerate(slots) if s >= 0]
         busy = [todo[j] for j, s in enumerate(slots) if s == SLOT_BUSY]
         if mine:
@@ -60,7 +62,7 @@ def store_chunk(sessions: Sessions, keys: list[bytes], pages: Any,
         time.sleep(poll_s)
         poll_s = min(poll_s * 2, BUSY_POLL_MAX_S)
         todo = busy
-    return written, full
+    return written, present, full
 
 
 def _reserve(sessions: Sessions, keys: list[bytes]) -> tuple[dict[str, Any], ClientSession]:

@@ -364,7 +364,10 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
     daemon: dict[str, Any] = {
         "version": hisparse.__version__, "pid": os.getpid(),
         "uptime_s": time.monotonic() - ctx.started_s,
-        "sessions": len(ctx.sessions.sessions),
+        # Engines' sessions (those `hisparsectl sessions` lists); hisparsectl's own, and any
+        # other session without a namespace, apart.
+        "sessions": sum(1 for s in ctx.sessions.sessions.values() if s.namespace is not None),
+        "control_sessions": sum(1 for s in ctx.sessions.sessions.values() if s.namespace is None),
         "sessions_expired": ctx.sessions.expired_total,
         "lease_ttl_s": ctx.sessions.lease_ttl_s,
         "metrics_address": ctx.config.metrics_endpoint,

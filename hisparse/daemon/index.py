@@ -454,7 +454,7 @@ class NamespaceIndex:
             "lookup_keys": c.lookup_keys,
             "hit_keys": c.hit_keys,
             "hit_rate": c.hit_rate(),
-            "reserved_pages": c.reserved_pages,
+            "reserved_total": c.reserved_pages,  # a running total, as committed_total; not pages reserved now
             "committed_total": c.committed_pages,
             "aborted_pages": c.aborted_pages,
             "evicted_pages": c.evicted_pages,

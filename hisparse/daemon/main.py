@@ -20,7 +20,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from hisparse import protocol
+from hisparse import pipes, protocol
 from hisparse.daemon import config as config_mod
 from hisparse.daemon import notify, trust
 from hisparse.daemon.access import AccessControl, give_to_group
@@ -131,6 +131,17 @@ def _write_token(path: str) -> str:
     return token
 
 
+def _capacity_source(cfg: config_mod.Config) -> str:
+    """Where the capacity in force was set, as the operator would change it."""
+    if "capacity" in cfg.flag_values:
+        return "--capacity"
+    if "capacity" in cfg.env_values:
+        return "HISPARSED_CAPACITY"
+    if cfg.config_file and "capacity" in config_mod.load_file(cfg.config_file):
+        return f"capacity in {cfg.config_file}"
+    return "the default capacity (set capacity in a --config file, or --capacity)"
+
+
 def _warn_free_shm(cfg: config_mod.Config, registry: Registry) -> None:
     try:
         st = os.statvfs(cfg.shm_dir)
@@ -139,9 +150,11 @@ def _warn_free_shm(cfg: config_mod.Config, registry: Registry) -> None:
     free = st.f_bavail * st.f_frsize
     wanted = cfg.capacity_bytes - registry.allocated_bytes
     if wanted > free:
-        log.warning("--capacity leaves %s to allocate but %s has only %s free: namespaces will be "
-                    "refused (CAPACITY) before --capacity is reached; lower --capacity or grow %s",
-                    format_size(wanted), cfg.shm_dir, format_size(free), cfg.shm_dir)
+        source = _capacity_source(cfg)
+        log.warning("%s (%s) leaves %s to allocate but %s has only %s free: namespaces will be "
+                    "refused (CAPACITY) before the capacity is reached; lower %s or grow %s",
+                    source, format_size(cfg.capacity_bytes), format_size(wanted), cfg.shm_dir,
+                    format_size(free), source.split(" (")[0], cfg.shm_dir)
 
 
 async def _announce_ready(endpoint: str, socket_path: str) -> None:
@@ -240,6 +253,10 @@ def run(cfg: config_mod.Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return pipes.run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     flags = {"socket": args.socket, "capacity": args.capacity, "shm_dir": args.shm_dir,
              "meta_dir": args.meta_dir, "lease_ttl": args.lease_ttl, "log_level": args.log_level,

@@ -95,7 +95,7 @@ def _buckets(h: Histogram) -> list[tuple[str, float]]:
 # (stats key, metric name, help) of the per-namespace counters.
 _NS_COUNTERS = (
     ("lookups", "lookups", "lookup requests"),
-    ("reserved_pages", "reserved_pages", "pages reserved for a store (each store reserves, copies, commits)"),
+    ("reserved_total", "reserved_pages", "pages reserved for a store (each store reserves, copies, commits)"),
     ("committed_total", "stored_pages", "pages committed: stores completed"),
     ("aborted_pages", "aborted_pages", "reservations aborted or expired, never visible"),
     ("evicted_pages", "evicted_pages", "committed pages evicted (LRU) to make room"),

@@ -19,7 +19,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from hisparse.errors import MissingExtra
-from hisparse.sim import des, plan
+from hisparse.sim import des, fit, plan
 from hisparse.sim.presets import GPUS, MODELS, SCENARIOS, GiB, HostConfig, Scenario, gpu_named
 
 PUBLISHED_C32 = {"baseline": (5.0, 6.0), "hisparse": (19.0, 25.0)}
@@ -128,21 +128,6 @@ def header(sc: Scenario) -> str:
             f"workload and host memory of scenario {sc.name}")
 
 
-def weights_fit(sc: Scenario) -> str | None:
-    """None, or why this model's weights leave no HBM for KV on this node."""
-    m, n, e = sc.model, sc.node, sc.engine
-    budget = plan.kv_budget_bytes(m, n, e)
-    if budget > 0:
-        return None
-    weights = plan.weight_bytes_per_gpu(m, n, e)
-    usable = e.gpu_memory_utilization * n.hbm_bytes
-    return (f"{m.name} does not fit on {n.gpus} x {gpu_named(n.hbm_bytes)}: weights take "
-            f"{_gib(weights)} per GPU and the workspace {_gib(e.workspace_bytes)}, of "
-            f"{_gib(usable)} usable ({e.gpu_memory_utilization} x {_gib(n.hbm_bytes)}), leaving "
-            f"{_gib(budget)} for KV. Use more GPUs (--gpus), a larger GPU (--gpu), or more of its "
-            f"memory (--gpu-memory-utilization)")
-
-
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
@@ -152,6 +137,9 @@ def arithmetic(sc: Scenario, tokens: int, users: int) -> tuple[plan.Capacity, li
     m, n, e, perf = sc.model, sc.node, sc.engine, sc.perf
     cap = plan.capacity(m, n, e, perf, tokens, sc.hisparse_host, users)
     ml, il = plan.mla_layers(m, e), plan.indexer_layers(m, e)
+    # The MTP drafter is one more decoder layer with its own KV (and indexer) rows.
+    mtp = f" ({m.num_layers} + {ml - m.num_layers} MTP)" if ml > m.num_layers else ""
+    imtp = f" ({m.indexer_layers} + {il - m.indexer_layers} MTP)" if il > m.indexer_layers else ""
     row, mla, idx = plan.kv_row_bytes(e), plan.mla_bytes_per_token(m, e), plan.indexer_bytes_per_token(m, e)
     rep = m.replicated_weight_bytes
     hot, tail = e.hot_rows * mla, min(tokens, e.tail_tokens) * mla
@@ -162,7 +150,7 @@ def arithmetic(sc: Scenario, tokens: int, users: int) -> tuple[plan.Capacity, li
         f" / {n.gpus} = {_gib(cap.weight_bytes_per_gpu)}",
         f"KV budget/GPU = {e.gpu_memory_utilization} x {_gib(n.hbm_bytes)} - weights"
         f" - workspace {_gib(e.workspace_bytes)} = {_gib(cap.kv_budget_bytes)}",
-        f"bytes/token = {ml} layers x {row} B + {il} indexer layers x 132 B = {mla:,} + {idx:,}"
+        f"bytes/token = {ml} layers{mtp} x {row} B + {il} indexer layers{imtp} x 132 B = {mla:,} + {idx:,}"
         f" = {mla + idx:,} B",
         f"full residency: {tokens:,} tok x {mla + idx:,} B = {_gib(cap.full_request_bytes)}/request"
         f" -> {e.dp} x floor(budget / that) = {cap.full_running} running",
@@ -172,8 +160,9 @@ def arithmetic(sc: Scenario, tokens: int, users: int) -> tuple[plan.Capacity, li
         f"hisparse host/request = ({tokens:,} - {e.tail_tokens}) tok x {mla:,} B"
         f" = {_gib(cap.cold_request_bytes)} -> {cap.hisparse_host_running} by host"
         f" -> {cap.hisparse_running} running",
-        f"host needed for {users} sessions: full residency {_gib(cap.full_host_bytes_needed)},"
-        f" hisparse {_gib(cap.hisparse_host_bytes_needed)}",
+        (f"host needed for {users} session{'s' * (users != 1)}: full residency"
+         f" {_gib(cap.full_host_bytes_needed)}, hisparse {_gib(cap.hisparse_host_bytes_needed)}"
+         if users else "host needed: none, as no request runs"),
         f"H2D/decode step = {perf.miss_rate:.0%} miss x {distinct:.0f} distinct rows x {ml} layers"
         f" x {row} B = {cap.h2d_bytes_per_step / 1e6:.1f} MB/request/GPU"
         f" = {cap.h2d_bytes_per_step / n.h2d_bytes_per_s * 1e3:.2f} ms at"
@@ -242,6 +231,8 @@ def print_shared_pool(sc: Scenario, out: dict[str, Any]) -> None:
           f" system prompt {sc.workload.shared_prefix_tokens:,} tokens")
     print("  shared: vLLM HiSparse with kv_connector_module_path=hisparse.vllm.hisparse_connector"
           " (one hisparsed namespace); per-replica: vLLM's own HiSparse host pools")
+    print("  move: share of turns routed to another replica than the session's last one;"
+          " restart: each replica restarts once per this interval, staggered (- = never)")
     print(f"{'pool':>12} {'move':>5} {'restart':>8} {'c':>4} {'running':>8} {'host hit':>9}"
           f" {'turns/min':>10} {'turn s':>7}")
     for r in out["rows"]:
@@ -261,8 +252,8 @@ def run_long_context(sc: Scenario) -> dict[str, Any]:
         for tp, dp in ((sc.node.gpus, 1), (1, sc.node.gpus)):
             s = replace(sc, model=model, engine=replace(sc.engine, tp=tp, dp=dp), hisparse_host=host)
             name = f"TP{tp}" if dp == 1 else f"DP{dp}-attention"
-            users = max(1, plan.capacity(s.model, s.node, s.engine, s.perf, tokens, host,
-                                         1).hisparse_running)
+            # host for the requests that run (none when not one fits)
+            users = plan.capacity(s.model, s.node, s.engine, s.perf, tokens, host, 1).hisparse_running
             cap, lines = arithmetic(s, tokens, users)
             fits = tokens * plan.full_bytes_per_token(model, s.engine) <= cap.kv_budget_bytes
             lines.append(f"max_model_len {s.engine.max_model_len:,} under full residency: " + (
@@ -288,6 +279,18 @@ def print_long_context(sc: Scenario, out: dict[str, Any]) -> None:
     for r in out["summary"]:
         print(f"{r['model']:>8} {r['layout']:>16} {r['full_running']:>5} {r['hisparse_running']:>9}"
               f"  ({r['hisparse_hbm_running']}, {r['hisparse_host_running']})")
+
+
+def plot_path_error(path: str) -> str | None:
+    """None, or why ``--plot`` could not write ``path`` (checked before the simulation runs)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"no directory {folder}: create it (mkdir -p {folder}) or plot elsewhere"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"may not write into {folder}: plot elsewhere"
+    if os.path.isdir(path):
+        return "is a directory: name a file, e.g. plan.png"
+    return None
 
 
 def plot(out: dict[str, Any], path: str) -> None:
@@ -343,9 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         sc = scenario_from_args(a)
-        refusal = weights_fit(sc)
+        refusal = fit.layout_error(sc) or fit.weights_error(sc)
         if refusal is not None:
             print(f"hisparse plan: {refusal}", file=sys.stderr)
+            return 2
+        if a.plot and (bad := plot_path_error(a.plot)):
+            print(f"hisparse plan: --plot {a.plot}: {bad}", file=sys.stderr)
             return 2
         if a.plot and _RUNNERS.get(sc.name, (run_published,))[0] is not run_published:
             print(f"hisparse plan: --plot draws a concurrency sweep; scenario {sc.name} has none "

@@ -3,7 +3,7 @@ workload, performance model, and the named scenarios of ``hisparse plan``.
 
 Every number that is not a published input carries its reasoning here, so
 that one file answers "where does this come from". The published inputs
-(issue 6) are used as given; the free parameters are ``workspace_bytes``
+(GLM-5.3 on 8xH200, docs/planner.md) are used as given; the free parameters are ``workspace_bytes``
 (EngineConfig) and ``gap_s`` (Workload); the performance numbers are
 estimates from hardware rates, stated next to each field.
 """
@@ -218,7 +218,7 @@ _GLM53 = Scenario(
 
 SCENARIOS: dict[str, Scenario] = {
     "glm53-8xh200": _GLM53,
-    # Item 4 / issue 12: the node as 8 DP-attention replicas running vLLM 0.34's
+    # The node as 8 DP-attention replicas running vLLM 0.34's
     # HiSparse; its host pools as hisparse.vllm.hisparse_connector gives them
     # (one hisparsed namespace of 512 GiB) against vLLM's own (8 private
     # pools of 64 GiB, host_pool_gib=64 each). A 16K-token system prompt
@@ -235,7 +235,7 @@ SCENARIOS: dict[str, Scenario] = {
         concurrency=(32, 64),
         hisparse_host=HostConfig(park_bytes=512 * GiB, one_pool=True, shared=True),
     ),
-    # Item 5: 1M-token requests; closed form only.
+    # 1M-token requests; closed form only.
     "glm5-1m": replace(
         _GLM53,
         name="glm5-1m",

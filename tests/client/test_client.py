@@ -169,7 +169,7 @@ def test_bad_arguments_are_invalid(c):
         c.load(keys, torch.zeros((1, LAYOUT.page_bytes), dtype=torch.uint8))
     with pytest.raises(hisparse.InvalidArgument):
         c.load(keys, torch.zeros((LAYOUT.page_bytes, 2), dtype=torch.uint8).t())
-    with pytest.raises(hisparse.InvalidArgument):  # the daemon's check: keys are 1-64 bytes
+    with pytest.raises(hisparse.InvalidArgument):  # keys are 1-64 bytes (checked before sending)
         c.lookup([b"x" * 65])
     with pytest.raises(hisparse.InvalidArgument):
         c.layer_rows(LAYOUT.num_layers)

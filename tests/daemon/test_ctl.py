@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -65,8 +66,12 @@ def test_exit_codes_a_script_can_use(hisparsed, tmp_path):
     if os.geteuid() != 0:
         r = ctl(hisparsed.socket, "--token-file", str(unreadable), "clear", "glm/fp8")
         assert r.returncode == EXIT_PERMISSION and "cannot read the admin token" in r.stderr
-    r = ctl(hisparsed.socket, "--token-file", str(tmp_path / "wrong"), "clear", "glm/fp8")
-    assert r.returncode == EXIT_REFUSED  # no token file: nothing to try
+    # a missing --token-file: 4 as documented, naming the file, for any command
+    for command in (("clear", "glm/fp8"), ("stats",)):
+        r = ctl(hisparsed.socket, "--token-file", str(tmp_path / "wrong"), *command)
+        assert r.returncode == EXIT_PERMISSION, r.stderr
+        assert f"no admin token at {tmp_path / 'wrong'} (--token-file)" in r.stderr
+        assert "Traceback" not in r.stderr
     (tmp_path / "wrong").write_text("not-the-token\n")
     r = ctl(hisparsed.socket, "--token-file", str(tmp_path / "wrong"), "clear", "glm/fp8")
     assert r.returncode == EXIT_PERMISSION and "wrong admin token" in r.stderr
@@ -90,3 +95,45 @@ def test_top_outlives_its_admin_session(daemon_factory):
     r = ctl(d.socket, "top", "--interval", "1.5", "--count", "2")  # reaped within 1.2 s
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("refresh every 1.5s") == 2
+
+
+def test_top_refuses_an_interval_that_is_not_above_zero(hisparsed):
+    for interval in ("0", "-1"):
+        r = ctl(hisparsed.socket, "top", "--interval", interval, "--count", "1")
+        assert r.returncode == 2, (interval, r.stderr)
+        assert "--interval" in r.stderr and "Traceback" not in r.stderr
+    r = ctl(hisparsed.socket, "--timeout", "0", "ping")
+    assert r.returncode == 2 and "--timeout" in r.stderr
+
+
+def test_stats_counts_the_sessions_that_sessions_lists(hisparsed):
+    # hisparsectl's own admin session is not an engine's: neither command shows it
+    r = ctl(hisparsed.socket, "stats")
+    assert r.returncode == 0, r.stderr
+    assert ", 0 sessions, 0 fenced" in r.stdout.splitlines()[0]
+    assert ctl(hisparsed.socket, "sessions").stdout.strip() == "(no sessions)"
+    c = RawClient(hisparsed.socket)
+    try:
+        c.hello("glm/fp8", LAYOUT, 192 * 64)
+        assert ", 1 sessions, 0 fenced" in ctl(hisparsed.socket, "stats").stdout.splitlines()[0]
+        listed = ctl(hisparsed.socket, "sessions").stdout.splitlines()[1:]
+        assert len(listed) == 1 and "glm/fp8" in listed[0]
+        # stats --json: a running total of reservations, named as one, beside counts of now
+        c.call(Op.RESERVE, keys=keys_for("open", 2))
+        c.call(Op.ABORT, keys=keys_for("open", 2))
+        ns = json.loads(ctl(hisparsed.socket, "stats", "--json").stdout)["namespaces"]["glm/fp8"]
+        assert "reserved_pages" not in ns
+        assert (ns["reserved_total"], ns["writing_pages"]) == (2, 0)
+    finally:
+        c.close()
+
+
+def test_drop_force_says_its_clients_come_back(hisparsed):
+    c = RawClient(hisparsed.socket)
+    try:
+        c.hello("glm/fp8", LAYOUT, 192 * 64)
+        r = ctl(hisparsed.socket, "drop", "--force", "glm/fp8")
+        assert r.returncode == 0, r.stderr
+        assert "1 sessions ended" in r.stdout and "re-create the namespace" in r.stdout
+    finally:
+        c.close()

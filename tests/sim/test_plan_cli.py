@@ -67,7 +67,7 @@ def test_overrides_reach_the_model(capsys):
 
 def test_bad_layout_is_an_error(capsys):
     assert plan.main(["--tp", "4"]) == 2
-    assert "tp*dp" in capsys.readouterr().err
+    assert "tp*dp = 4*1 != 8 GPUs" in capsys.readouterr().err
 
 
 def test_long_context_layouts(capsys):
@@ -92,3 +92,41 @@ def test_shared_pool_scenario(capsys):
     assert rows[("shared", 0.25)]["host_hit_rate"] > rows[("per-replica", 0.25)]["host_hit_rate"]
     assert rows[("shared", 1.0)]["host_hit_rate"] > rows[("per-replica", 1.0)]["host_hit_rate"]
     assert rows[("shared", 1.0)]["turns_per_min"] > rows[("per-replica", 1.0)]["turns_per_min"]
+
+
+def test_plot_into_a_missing_directory_fails_before_the_simulation(capsys, tmp_path):
+    missing = tmp_path / "no-such-dir" / "x.png"
+    assert plan.main(["--plot", str(missing)]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""  # nothing simulated, nothing printed
+    assert f"no directory {missing.parent}" in out.err and "mkdir -p" in out.err
+    assert plan.main(["--plot", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_the_layer_count_names_the_mtp_layer(capsys):
+    rc = plan.main(["--concurrency", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "79 layers (78 + 1 MTP) x 656 B + 23 indexer layers (22 + 1 MTP) x 132 B" in out
+    assert "host needed for 1 session: " in out
+
+
+def test_long_context_host_needs_follow_what_runs(capsys):
+    assert plan.main(["--scenario", "glm5-1m"]) == 0
+    blocks = capsys.readouterr().out.split("\nglm-5 ")
+    tp8 = next(b for b in blocks if b.startswith("TP8:"))
+    dp8 = next(b for b in blocks if b.startswith("DP8-attention:"))
+    assert "-> 2 running" in tp8 and "host needed for 2 sessions: " in tp8
+    assert "-> 0 running" in dp8 and "host needed: none, as no request runs" in dp8
+    assert "host needed for 1 sessions" not in tp8 + dp8
+
+
+def test_shared_pool_output_explains_move_and_restart(capsys):
+    from hisparse.sim import plan_cli
+    from hisparse.sim.presets import SCENARIOS
+
+    plan_cli.print_shared_pool(SCENARIOS["glm53-8xh200-shared-pool"], {"rows": []})  # the table's head
+    out = capsys.readouterr().out
+    legend = next(line for line in out.splitlines() if line.strip().startswith("move:"))
+    assert "another replica" in legend and "restart:" in legend and "- = never" in legend
