@@ -1,0 +1,210 @@
+"""One SGLang host pool on the node tier: its namespace's client, pins, gate and page codec.
+
+``exists`` / ``get`` / ``set`` are what the storage backend's v1 and v2
+calls do for one pool (the KV pool, the DSA indexer pool, ...). Keys are
+SGLang's page hashes; page ``i`` of a call sits at host slot
+``host_indices[i * page_size]``. Each call is answered from the daemon
+within the client's ``timeout_s``, or as a miss while the gate is closed
+(``gate``); none raises for an unreachable daemon.
+
+The client is attached when the pool is registered (a layout mismatch is a
+configuration error and raised there); when the daemon is not up then, it
+is attached on first use after the gate's down window.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from hisparse.client import Client, attach
+from hisparse.errors import ClusterUnavailable, HisparseError, LeaseExpired
+from hisparse.sglang.codec import PageCodec
+from hisparse.sglang.config import SglangConfig
+from hisparse.sglang.gate import UNREACHABLE, Gate
+from hisparse.sglang.holds import PinHolds
+from hisparse.sglang.namespace import PoolGeometry, key_bytes
+
+log = logging.getLogger(__name__)
+
+
+class PoolTier:
+    def __init__(self, config: SglangConfig, host_pool: Any, geometry: PoolGeometry, namespace: str,
+                 *, writer: bool, name: str) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.namespace = namespace
+        self.writer = writer  # False: another TP rank stores this pool's pages (MLA KV)
+        self.codec = PageCodec(host_pool, geometry)
+        self.gate = Gate(config.down_s, f"{name} ({namespace})")
+        self.holds = PinHolds(config.hold_s)
+        self._name = name
+        self._lock = threading.Lock()
+        self._client: Client | None = None
+        self.counters = dict.fromkeys(("exists_pages", "hit_pages", "get_pages", "got_pages",
+                                       "got_pinned", "set_pages", "stored_pages", "promoted_pages",
+                                       "skipped_calls"), 0)
+
+    # -- the client --
+
+    def connect(self, *, raise_unreachable: bool = False) -> Client | None:
+        """The attached client, attaching now if needed; None while the daemon is away."""
+        if self._client is not None:
+            return self._client
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = attach(self.namespace, self.geometry.layout, socket=self.config.socket,
+                                          capacity=self.config.capacity, timeout_s=self.config.timeout_s,
+                                          name=self._name)
+                except UNREACHABLE as exc:
+                    self.gate.failed("attach", exc)
+                    if raise_unreachable:
+                        raise
+                    return None
+                log.info("SGLang %s on hisparsed namespace %r (%s)", self.geometry.pool, self.namespace,
+                         self.geometry.layout)
+                self.gate.succeeded()
+        return self._client
+
+    def _usable(self) -> Client | None:
+        if not self.gate.allows():
+            self.counters["skipped_calls"] += 1
+            return None
+        try:
+            return self.connect()
+        except HisparseError as exc:  # e.g. LayoutMismatch on a late attach: never kill an IO thread
+            log.error("hisparse attach for %s failed: %s", self.namespace, exc)
+            self.gate.failed("attach", exc)
+            return None
+
+    def close(self) -> None:
+        self.holds.release_all()
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    # -- the calls --
+
+    def exists(self, keys: list[str]) -> int:
+        """Leading pages committed, each pinned until ``get`` reads it (or ``hold_s`` passes)."""
+        kb = [key_bytes(k) for k in keys]
+        self.counters["exists_pages"] += len(kb)
+        client = self._usable()
+        if client is None:
+            return 0
+        self.holds.expire()
+        n = self.holds.leading(kb)
+        try:
+            if n < len(kb):
+                n += self._pin(client, kb[n:])
+            if n < len(kb) and self.config.cluster:
+                n += self._promote(client, kb[n:])
+        except UNREACHABLE as exc:
+            self.gate.failed("exists", exc)
+            return 0
+        except HisparseError as exc:  # a quota, a session lost twice: this call misses
+            log.warning("hisparse exists on %s failed: %s", self.namespace, exc)
+            return n
+        self.gate.succeeded()
+        self.counters["hit_pages"] += n
+        return n
+
+    def _pin(self, client: Client, keys: list[bytes]) -> int:
+        pin = client.pin(keys)
+        count = pin.count
+        self.holds.add(pin)
+        return count
+
+    def _promote(self, client: Client, keys: list[bytes]) -> int:
+        """Pages after the local prefix that the cluster tier (or a P/D peer) holds: promote, pin."""
+        try:
+            _, remote = client.lookup_remote(keys, wait=True)
+            if remote <= 0:
+                return 0
+            client.prefetch(keys[:remote], wait=True)
+        except ClusterUnavailable as exc:
+            log.debug("cluster tier unavailable for %s: %s", self.namespace, exc)
+            return 0
+        n = self._pin(client, keys)
+        self.counters["promoted_pages"] += n
+        return n
+
+    def get(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        """Copy the leading pages found into host slots; True per page copied."""
+        results = [False] * len(keys)
+        self.counters["get_pages"] += len(keys)
+        client = self._usable()
+        if client is None:
+            return results
+        kb = [key_bytes(k) for k in keys]
+        slots = [int(host_indices[i * self.geometry.page_size]) for i in range(len(keys))]
+        i = 0
+        try:
+            while i < len(kb) and self._get_pinned(kb[i], slots[i]):
+                results[i] = True
+                i += 1
+            if i < len(kb):
+                m = self._load(client, kb[i:], slots[i:])
+                results[i:i + m] = [True] * m
+        except UNREACHABLE as exc:
+            self.gate.failed("get", exc)
+            return results
+        except HisparseError as exc:
+            log.warning("hisparse get on %s failed: %s", self.namespace, exc)
+            return results
+        self.gate.succeeded()
+        self.counters["got_pages"] += sum(results)
+        return results
+
+    def _get_pinned(self, key: bytes, slot: int) -> bool:
+        held = self.holds.get(key)
+        if held is None:
+            return False
+        pin, j = held
+        try:
+            self.codec.write(slot, pin.view(j))
+            ok = pin.held  # the fence still ours after the copy: the bytes are what was committed
+        except LeaseExpired:
+            ok = False
+        self.holds.done(key)
+        if ok:
+            self.counters["got_pinned"] += 1
+        return ok
+
+    def _load(self, client: Client, keys: list[bytes], slots: list[int]) -> int:
+        out = torch.empty((len(keys), self.geometry.page_bytes), dtype=torch.uint8)
+        m = client.load(keys, out)
+        for j in range(m):
+            self.codec.write(slots[j], out[j])
+        return m
+
+    def set(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        """Store pages from host slots; True per page the namespace now holds."""
+        n = len(keys)
+        self.counters["set_pages"] += n
+        if not self.writer:
+            return [True] * n  # the writer rank stores this copy; every rank reads it
+        client = self._usable()
+        if client is None:
+            return [False] * n
+        kb = [key_bytes(k) for k in keys]
+        pages = torch.empty((n, self.geometry.page_bytes), dtype=torch.uint8)
+        for i in range(n):
+            self.codec.read_into(int(host_indices[i * self.geometry.page_size]), pages[i])
+        try:
+            written = client.store(kb, pages)
+            held = n if written == n else client.lookup(kb)
+        except UNREACHABLE as exc:
+            self.gate.failed("set", exc)
+            return [False] * n
+        except HisparseError as exc:
+            log.warning("hisparse set on %s failed: %s", self.namespace, exc)
+            return [False] * n
+        self.gate.succeeded()
+        self.counters["stored_pages"] += written
+        return [True] * held + [False] * (n - held)
