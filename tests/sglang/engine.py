@@ -112,8 +112,9 @@ class Engine:
 
     def _rows(self, indices: torch.Tensor) -> torch.Tensor:
         """The KV rows of ``indices`` in every layer, as bytes: uint8 [layers, tokens, row_bytes]."""
+        row_bytes = self.kv_pool.kv_buffer[0][0].numel() * self.kv_pool.kv_buffer[0].element_size()
         return torch.stack([self.kv_pool.kv_buffer[layer][indices.long()].view(torch.uint8).reshape(
-            len(indices), -1) for layer in range(self.kv_pool.layer_num)])
+            len(indices), row_bytes) for layer in range(self.kv_pool.layer_num)])
 
     def _key(self, tokens: list[int]) -> RadixKey:
         return RadixKey(array("q", tokens))
@@ -152,12 +153,12 @@ class Engine:
                                          None, None)
         self.kit._run_prefetch_to_completion(self.cache, handle, timeout=timeout_s)
         match = self.cache.match_prefix(MatchPrefixParams(key=self._key(tokens)))
-        node = match.last_device_node
-        if node == self.cache.root_node_handle():
-            return self._rows(torch.empty(0, dtype=torch.int64))
-        if match.device_prefix_len < len(tokens) and match.last_host_node != node:
+        node, root = match.last_device_node, self.cache.root_node_handle()
+        if match.last_host_node not in (node, root):  # cache mode: the prefix landed on the host tier
             self.kit._load_back_node(self.cache, match.last_host_node)
             node = match.last_host_node
+        if node == root:
+            return self._rows(torch.empty(0, dtype=torch.int64))
         return self._rows(self.cache.path_device_indices(node))
 
     def close(self) -> None:
