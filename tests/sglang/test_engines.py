@@ -33,30 +33,30 @@ def tokens(start: int, pages: int) -> list[int]:
     return list(range(start, start + pages * PAGE))
 
 
-def test_two_engine_processes_share_a_prefix_byte_exact_and_a_restarted_engine_finds_it(engine_processes):
-    a, b = engine_processes("engine-a"), engine_processes("engine-b")
-    a.ready()
-    b.ready()
+def test_two_engines_in_two_processes_share_a_prefix_byte_exact(sglang_engines, engine_processes):
+    b = engine_processes("engine-b")  # starts its own SGLang while this process's engine works
+    a = sglang_engines()
     prefix = tokens(1000, 6)
 
     # engine A computes the prefix and writes it through to the node tier
-    expected, reply = a.call("put", prefix, seed=11)
-    assert reply["stats"]["kv"]["stored_pages"] == 6
+    expected = a.put(prefix, seed=11)
+    assert a.backend.tiers["kv"].counters["stored_pages"] == 6
 
     # engine B (another process, its own SGLang pools) gets it from there, byte for byte
+    b.ready()
     got, reply = b.call("get", prefix)
     assert got.shape == expected.shape == (3, len(prefix), 128)
     assert torch.equal(got, expected)
     assert reply["stats"]["kv"]["got_pinned"] == 6  # read from the pages batch_exists pinned
 
-    # A dies without a goodbye; a new A finds its prefix still there
-    a.kill()
-    a2 = engine_processes("engine-a2")
-    a2.ready()
-    got, _ = a2.call("get", prefix)
-    assert torch.equal(got, expected)
-    a2.exit()
-    b.exit()
+    # and the other way round: what B computes, A finds
+    other = tokens(1100, 2)
+    expected_b, _ = b.call("put", other, seed=12)
+    assert torch.equal(a.get(other), expected_b)
+
+    # B dies without a goodbye (SIGKILL); its pages stay, A still reads them
+    b.kill()
+    assert torch.equal(sglang_engines().get(other), expected_b)
 
 
 def test_a_restarted_engine_finds_its_prefix(sglang_engines):
