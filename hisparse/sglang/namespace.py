@@ -89,7 +89,10 @@ def compatibility_fields(geometry: PoolGeometry, storage_config: Any) -> dict[st
     c = storage_config
     fields = asdict(geometry)
     if geometry.canonical:
-        fields.pop("host_layout")  # stored layer-major: every host layout reads the same bytes
+        # Stored layer-major, rows = KV rows: every host layout, and the linker's device
+        # pool, reads the same bytes (the PP stage is in "pp").
+        for name in ("host_layout", "pool_class", "start_layer"):
+            fields.pop(name)
     per_rank = not c.is_mla_model or geometry.pool not in ("kv",)
     dcp = int(getattr(c, "dcp_size", 1) or 1)
     return {

@@ -31,6 +31,30 @@ from hisparse.sglang.namespace import PoolGeometry, key_bytes
 log = logging.getLogger(__name__)
 
 
+def connect_client(config: SglangConfig, namespace: str, geometry: PoolGeometry, gate: Gate, name: str,
+                   *, late: bool = False) -> Client | None:
+    """Attach to ``namespace``; None (and the gate closed) when the daemon does not answer.
+
+    Any other refusal (``LayoutMismatch``, ``CapacityError``) is a configuration error:
+    raised at start, and logged (the gate closed) on a ``late`` attach from an IO thread.
+    """
+    try:
+        client = attach(namespace, geometry.layout, socket=config.socket, capacity=config.capacity,
+                        timeout_s=config.timeout_s, name=name)
+    except UNREACHABLE as exc:
+        gate.failed("attach", exc)
+        return None
+    except HisparseError as exc:
+        if not late:
+            raise
+        log.error("hisparse attach to %s failed: %s", namespace, exc)
+        gate.failed("attach", exc)
+        return None
+    log.info("SGLang %s on hisparsed namespace %r (%s)", geometry.pool, namespace, geometry.layout)
+    gate.succeeded()
+    return client
+
+
 class PoolTier:
     def __init__(self, config: SglangConfig, host_pool: Any, geometry: PoolGeometry, namespace: str,
                  *, writer: bool, name: str) -> None:
@@ -50,36 +74,25 @@ class PoolTier:
 
     # -- the client --
 
-    def connect(self, *, raise_unreachable: bool = False) -> Client | None:
+    def connect(self) -> Client | None:
         """The attached client, attaching now if needed; None while the daemon is away."""
-        if self._client is not None:
-            return self._client
-        with self._lock:
-            if self._client is None:
-                try:
-                    self._client = attach(self.namespace, self.geometry.layout, socket=self.config.socket,
-                                          capacity=self.config.capacity, timeout_s=self.config.timeout_s,
-                                          name=self._name)
-                except UNREACHABLE as exc:
-                    self.gate.failed("attach", exc)
-                    if raise_unreachable:
-                        raise
-                    return None
-                log.info("SGLang %s on hisparsed namespace %r (%s)", self.geometry.pool, self.namespace,
-                         self.geometry.layout)
-                self.gate.succeeded()
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = connect_client(self.config, self.namespace, self.geometry, self.gate,
+                                                  self._name)
         return self._client
 
     def _usable(self) -> Client | None:
         if not self.gate.allows():
             self.counters["skipped_calls"] += 1
             return None
-        try:
-            return self.connect()
-        except HisparseError as exc:  # e.g. LayoutMismatch on a late attach: never kill an IO thread
-            log.error("hisparse attach for %s failed: %s", self.namespace, exc)
-            self.gate.failed("attach", exc)
-            return None
+        if self._client is None:
+            with self._lock:
+                if self._client is None:  # a late attach from an IO thread never raises
+                    self._client = connect_client(self.config, self.namespace, self.geometry,
+                                                  self.gate, self._name, late=True)
+        return self._client
 
     def close(self) -> None:
         self.holds.release_all()

@@ -35,7 +35,7 @@ from sglang.srt.environ import envs  # noqa: E402
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool, ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.tree_core_registry import _TREE_CORE_REGISTRY  # noqa: E402
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
@@ -170,8 +170,114 @@ class Engine:
         self._exit.close()
 
 
-def wait_until(cond, what: str, timeout_s: float = 20.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+LINKER = {"linker": "HisparseLinker", "linker_module_path": "hisparse.sglang.linker"}
+
+
+class LinkerEngine:
+    """An SGLang cache with the direct external linker (no HiCache, no host pool) on hisparsed.
+
+    SGLang's own plumbing: ``create_unified_cache_linker`` (backend ``dynamic``)
+    builds ``hisparse.sglang.linker.HisparseLinker`` from its module path,
+    ``UnifiedRadixCache.init_cache_linker`` wraps it, and the tree drives it:
+    an insert's write-through offloads, ``match_prefix`` looks up, the
+    wrapper's ``load_back`` queues a load, ``ready_to_load_host_cache``
+    starts it, the layer counter is consumed as a forward would, and
+    ``finish_loads`` reports whether every layer landed.
+    """
+
+    def __init__(self, socket: str, *, model: str = "zai-org/GLM-test", page_size: int = 64,
+                 layers: int = 3, kv_lora_rank: int = 48, rope_dim: int = 16,
+                 dtype: torch.dtype = torch.bfloat16, kv_size: int = 512,
+                 extra: dict[str, Any] | None = None) -> None:
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+        from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
+
+        self.kit = kit = _Kit()
+        kit.cfg = CacheConfig(page_size=page_size, kv_size=kv_size, max_context_len=kv_size,
+                              num_layers=layers, dtype=dtype)
+        self.page_size = page_size
+        self._exit = contextlib.ExitStack()
+        self._exit.enter_context(get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                                                         attn_dcp_size=1))
+        server_args = ServerArgs(model_path="dummy", served_model_name=model, page_size=page_size)
+        set_global_server_args_for_scheduler(server_args)
+        self.req_to_token_pool = ReqToTokenPool(size=8, max_context_len=kv_size, device="cpu",
+                                                enable_memory_saver=False)
+        # DeepSeek-V3.2 / GLM-5's pool: MLA KV plus the DSA indexer's keys (a row per page)
+        self.kv_pool = DSATokenToKVPool(size=kv_size, page_size=page_size, kv_lora_rank=kv_lora_rank,
+                                        dtype=dtype, qk_rope_head_dim=rope_dim, layer_num=layers,
+                                        device="cpu", index_head_dim=128, enable_memory_saver=False,
+                                        kv_cache_dim=kv_lora_rank + rope_dim)
+        self.allocator = TokenToKVPoolAllocator(size=kv_size, dtype=dtype, device="cpu",
+                                                kvcache=self.kv_pool, need_sort=False)
+        params = CacheInitParams(req_to_token_pool=self.req_to_token_pool,
+                                 token_to_kv_pool_allocator=self.allocator, page_size=page_size,
+                                 disable=False, tree_components=kit.cfg.components,
+                                 eviction_policy="lru")
+        with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override("python"), \
+                mock.patch.dict(_TREE_CORE_REGISTRY,
+                                {"python": lambda p, components: UnifiedTreeCoreInspector(p, components)}):
+            self.cache = UnifiedRadixCache(params=params)
+        self.linker = create_unified_cache_linker(
+            server_args, params, backend="dynamic",
+            config={**LINKER, "linker_extra_config": {"socket": socket, **(extra or {})}},
+            components={ComponentType.FULL})
+        self.cache.init_cache_linker(self.linker)
+        self._rid = 0
+
+    _rows = Engine._rows
+
+    def _index_rows(self, indices: torch.Tensor) -> torch.Tensor:
+        """The indexer rows of the pages of ``indices`` in every layer: uint8 [layers, pages, bytes]."""
+        pages = indices[::self.page_size].long() // self.page_size
+        return torch.stack([buf[pages] for buf in self.kv_pool.index_k_with_scale_buffer])
+
+    def put(self, tokens: list[int], seed: int, timeout_s: float = 20.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute (seeded bytes) and insert ``tokens``; the write-through offload lands; (KV, indexer) bytes."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+        value = self.allocator.alloc(len(tokens))
+        gen = torch.Generator().manual_seed(seed)
+        for layer in range(self.kv_pool.layer_num):
+            buf = self.kv_pool.kv_buffer[layer]
+            noise = torch.randint(0, 256, (len(tokens), buf[0].numel() * buf.element_size()),
+                                  dtype=torch.uint8, generator=gen)
+            buf[value.long()] = noise.view(buf.dtype).reshape(len(tokens), *buf.shape[1:])
+            index = self.kv_pool.index_k_with_scale_buffer[layer]
+            pages = value[::self.page_size].long() // self.page_size
+            index[pages] = torch.randint(0, 256, (len(pages), index.shape[1]), dtype=torch.uint8, generator=gen)
+        self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=value))
+        wrapper = self.cache.linker
+        if not wrapper.pending_offloads:  # not written through by the insert itself: offload its node
+            leaf = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)))).last_device_node
+            wrapper.offload_nodes([leaf])
+        deadline = time.monotonic() + timeout_s
+        while wrapper.pending_offloads:
+            assert time.monotonic() < deadline, "linker offload did not complete"
+            self.cache.check_hicache_events()
+            time.sleep(0.01)
+        return self._rows(value), self._index_rows(value)
+
+    def get(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """Match and load ``tokens`` as the scheduler would: (KV bytes, indexer bytes, failed rids)."""
+        req = self.kit._make_req(self.req_to_token_pool)
+        self._rid += 1
+        req.rid = f"linker-req-{self._rid}"
+        self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=req))
+        wrapper = self.cache.linker
+        if not wrapper.has_hit(req.rid):
+            empty = torch.empty(0, dtype=torch.int64)
+            return self._rows(empty), self._index_rows(empty), []
+        loaded, _ = wrapper.load_back(req)
+        indices = wrapper.private_load_indices[req.rid]
+        index = self.cache.ready_to_load_host_cache()
+        counter = wrapper.layer_done_counter
+        counter.set_consumer(index)
+        for layer in range(self.kv_pool.layer_num):  # the forward waits on each layer
+            counter.wait_until(layer)
+        failed = wrapper.finish_loads()
+        return self._rows(indices[:loaded]), self._index_rows(indices[:loaded]), failed
+
+    def close(self) -> None:
+        self.linker.close()
+        self._exit.close()
