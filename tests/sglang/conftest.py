@@ -14,7 +14,11 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+pytest.importorskip("sglang")
+
+from tests.sglang import cpu_stubs  # noqa: E402
+
+cpu_stubs.install_imports()  # before any test module imports SGLang's cache stack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE_EXTRA = {"capacity": "16MiB", "timeout_s": 2.0, "down_s": 0.3}

@@ -17,7 +17,7 @@ import torch
 from hisparse.client import attach
 from hisparse.errors import InvalidArgument, LayoutMismatch
 
-pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+pytest.importorskip("sglang")
 
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheStorageConfig,
