@@ -22,6 +22,7 @@ engine's device pool with the bytes the writing engine computed.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.waiting import wait_for
@@ -151,3 +152,38 @@ def test_a_vllm_engine_and_an_sglang_engine_on_one_daemon_each_in_its_namespace(
         assert torch.equal(sglang_engines().get(prefix), expected)
     finally:
         vllm_engine.close()
+
+
+def test_an_engine_on_another_node_gets_the_prefix_through_the_cluster_tier(tmp_path, daemon_factory):
+    # Two nodes' hisparsed on one Mooncake master (loopback TCP): what an SGLang engine on node A
+    # writes reaches the cluster by A's write-behind; an engine on node B finds it there
+    # (batch_exists promotes it into B's region, then pins it) and loads it byte-exact.
+    cluster = pytest.importorskip("tests.cluster.conftest")
+    if cluster.SKIP_REASON:
+        pytest.skip(cluster.SKIP_REASON)
+    from tests.sglang.engine import Engine
+
+    master = cluster.Master(cluster.free_port(), cluster.free_port(), cluster.free_port(),
+                            str(tmp_path / "mooncake_master.log")).start()
+    engines = []
+    try:
+        node_a, node_b = (daemon_factory(capacity="128MiB", lease_ttl=10, env=cluster.cluster_env(master))
+                          for _ in range(2))
+        for node in (node_a, node_b):
+            cluster.wait_for("the cluster tier up", lambda n=node: cluster.cluster_state(n.socket) == "up")
+        extra = {"capacity": "16MiB", "cluster": True}
+        a = Engine(node_a.socket, extra=extra)
+        engines.append(a)
+        prefix = tokens(11000, 4)
+        expected = a.put(prefix, seed=41)
+        a_client = a.backend.tiers["kv"].connect()
+        wait_for(lambda: a_client.stats()["daemon"]["cluster"]["put_pages"] >= 4, "A's write-behind")
+
+        b = Engine(node_b.socket, extra=extra)
+        engines.append(b)
+        assert torch.equal(b.get(prefix), expected)
+        assert b.backend.tiers["kv"].counters["promoted_pages"] == 4
+    finally:
+        for engine in engines:
+            engine.close()
+        master.kill()
