@@ -4,14 +4,18 @@
 namespace's layout; ``write(host_index, page)`` puts a page (uint8
 ``[num_layers, page_size*row_bytes]``, e.g. a ``Pin.view`` straight from the
 region) into the host slots, in one copy. MLA KV pools are addressed
-through their ``kv_buffer`` per layout (see ``namespace``); every other pool
-through SGLang's own ``get_data_page`` / ``set_from_flat_data_page``.
+through their ``kv_buffer`` per layout (see ``namespace``) and copied with
+numpy (torch's CPU copy of these strided views runs on its intra-op thread
+pool, which on a busy host is two orders of magnitude slower than one
+memcpy per layer); every other pool through SGLang's own ``get_data_page`` /
+``set_from_flat_data_page``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from hisparse.sglang.namespace import PoolGeometry
@@ -49,17 +53,19 @@ class PageCodec:
         return self.pool.get_data_page(int(host_index), flat=True).contiguous().view(torch.uint8).reshape(-1)
 
     def read_into(self, host_index: int, out: torch.Tensor) -> None:
-        """``out``: uint8 ``[page_bytes]``."""
+        """``out``: uint8 ``[page_bytes]``, on the CPU."""
         if self.geometry.canonical:
             g = self.geometry
-            out.view(g.num_layers, g.page_size, 1, g.row_bytes).copy_(self._mla_rows(host_index))
+            np.copyto(out.numpy().reshape(g.num_layers, g.page_size, 1, g.row_bytes),
+                      self._mla_rows(host_index).numpy())
         else:
             out.copy_(self.read(host_index))
 
     def write(self, host_index: int, page: torch.Tensor) -> None:
         g = self.geometry
         if g.canonical:
-            self._mla_rows(host_index).copy_(page.reshape(g.num_layers, g.page_size, 1, g.row_bytes))
+            np.copyto(self._mla_rows(host_index).numpy(),
+                      page.numpy().reshape(g.num_layers, g.page_size, 1, g.row_bytes))
         else:
             flat = page.reshape(-1).contiguous().view(self._flat_dtype)
             self.pool.set_from_flat_data_page(int(host_index), flat)

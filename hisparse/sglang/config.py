@@ -36,7 +36,6 @@ class SglangConfig:
     down_s: float = 2.0             # after a request got no answer: answer miss without asking, this long
     hold_s: float = 10.0            # a page pinned by batch_exists is released after this if never loaded
     cluster: bool = False           # batch_exists also promotes what the cluster tier (or a P/D peer) holds
-    cluster_timeout_s: float = 2.0  # deadline of that promotion
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> SglangConfig:
@@ -49,7 +48,7 @@ class SglangConfig:
         values: dict[str, Any] = {k: extra[k] for k in known if k in extra}
         if values.get("capacity") is not None:
             values["capacity"] = parse_size(values["capacity"])
-        for name in ("timeout_s", "down_s", "hold_s", "cluster_timeout_s"):
+        for name in ("timeout_s", "down_s", "hold_s"):
             if name in values:
                 value = values[name]
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

@@ -68,6 +68,7 @@ class PoolTier:
         self._name = name
         self._lock = threading.Lock()
         self._client: Client | None = None
+        self._staging: dict[str, torch.Tensor] = {}  # per direction: one IO thread each in SGLang
         self.counters = dict.fromkeys(("exists_pages", "hit_pages", "get_pages", "got_pages",
                                        "got_pinned", "set_pages", "stored_pages", "promoted_pages",
                                        "skipped_calls"), 0)
@@ -189,8 +190,15 @@ class PoolTier:
             self.counters["got_pinned"] += 1
         return ok
 
+    def _stage(self, direction: str, n: int) -> torch.Tensor:
+        """A staging tensor of ``n`` pages, kept between calls (fresh memory costs page faults)."""
+        buf = self._staging.get(direction)
+        if buf is None or buf.shape[0] < n:
+            buf = self._staging[direction] = torch.empty((n, self.geometry.page_bytes), dtype=torch.uint8)
+        return buf[:n]
+
     def _load(self, client: Client, keys: list[bytes], slots: list[int]) -> int:
-        out = torch.empty((len(keys), self.geometry.page_bytes), dtype=torch.uint8)
+        out = self._stage("get", len(keys))
         m = client.load(keys, out)
         for j in range(m):
             self.codec.write(slots[j], out[j])
@@ -206,7 +214,7 @@ class PoolTier:
         if client is None:
             return [False] * n
         kb = [key_bytes(k) for k in keys]
-        pages = torch.empty((n, self.geometry.page_bytes), dtype=torch.uint8)
+        pages = self._stage("set", n)
         for i in range(n):
             self.codec.read_into(int(host_indices[i * self.geometry.page_size]), pages[i])
         try:
