@@ -156,12 +156,10 @@ class PoolTier:
         if client is None:
             return results
         kb = [key_bytes(k) for k in keys]
-        slots = [int(host_indices[i * self.geometry.page_size]) for i in range(len(keys))]
-        i = 0
+        slots = _page_starts(host_indices, self.geometry.page_size, len(keys))
         try:
-            while i < len(kb) and self._get_pinned(kb[i], slots[i]):
-                results[i] = True
-                i += 1
+            i = self._get_pinned(kb, slots)
+            results[:i] = [True] * i
             if i < len(kb):
                 m = self._load(client, kb[i:], slots[i:])
                 results[i:i + m] = [True] * m
@@ -175,20 +173,30 @@ class PoolTier:
         self.counters["got_pages"] += sum(results)
         return results
 
-    def _get_pinned(self, key: bytes, slot: int) -> bool:
-        held = self.holds.get(key)
-        if held is None:
-            return False
-        pin, j = held
-        try:
-            self.codec.write(slot, pin.view(j))
-            ok = pin.held  # the fence still ours after the copy: the bytes are what was committed
-        except LeaseExpired:
-            ok = False
-        self.holds.done(key)
-        if ok:
-            self.counters["got_pinned"] += 1
-        return ok
+    def _get_pinned(self, keys: list[bytes], slots: list[int]) -> int:
+        """Copy the leading pages ``batch_exists`` pinned; how many are good.
+
+        Each pin is checked once, after every copy out of it: a pin still held means
+        its fence was ours throughout, so the bytes are what was committed.
+        """
+        copied: dict[int, tuple[Any, int]] = {}  # id(pin) -> (pin, first page copied from it)
+        n = 0
+        for key, slot in zip(keys, slots):
+            held = self.holds.get(key)
+            if held is None:
+                break
+            pin, j = held
+            try:
+                self.codec.write(slot, pin.view(j))
+            except LeaseExpired:
+                break
+            copied.setdefault(id(pin), (pin, n))
+            n += 1
+        good = min((first for pin, first in copied.values() if not pin.held), default=n)
+        for key in keys[:n]:
+            self.holds.done(key)
+        self.counters["got_pinned"] += good
+        return good
 
     def _stage(self, direction: str, n: int) -> torch.Tensor:
         """A staging tensor of ``n`` pages, kept between calls (fresh memory costs page faults)."""
@@ -215,8 +223,8 @@ class PoolTier:
             return [False] * n
         kb = [key_bytes(k) for k in keys]
         pages = self._stage("set", n)
-        for i in range(n):
-            self.codec.read_into(int(host_indices[i * self.geometry.page_size]), pages[i])
+        for i, slot in enumerate(_page_starts(host_indices, self.geometry.page_size, n)):
+            self.codec.read_into(slot, pages[i])
         try:
             written = client.store(kb, pages)
             held = n if written == n else client.lookup(kb)
@@ -229,3 +237,8 @@ class PoolTier:
         self.gate.succeeded()
         self.counters["stored_pages"] += written
         return [True] * held + [False] * (n - held)
+
+
+def _page_starts(host_indices: torch.Tensor, page_size: int, n: int) -> list[int]:
+    """Page ``i`` of a call starts at host slot ``host_indices[i * page_size]``."""
+    return host_indices[::page_size][:n].tolist()

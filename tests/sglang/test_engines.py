@@ -34,6 +34,7 @@ def tokens(start: int, pages: int) -> list[int]:
     return list(range(start, start + pages * PAGE))
 
 
+@pytest.mark.slow  # a second process imports SGLang (about 10 s of CPU)
 def test_two_engines_in_two_processes_share_a_prefix_byte_exact(sglang_engines, engine_processes):
     b = engine_processes("engine-b")  # starts its own SGLang while this process's engine works
     a = sglang_engines()
@@ -154,6 +155,7 @@ def test_a_vllm_engine_and_an_sglang_engine_on_one_daemon_each_in_its_namespace(
         vllm_engine.close()
 
 
+@pytest.mark.slow  # a Mooncake master and two daemons
 def test_an_engine_on_another_node_gets_the_prefix_through_the_cluster_tier(tmp_path, daemon_factory):
     # Two nodes' hisparsed on one Mooncake master (loopback TCP): what an SGLang engine on node A
     # writes reaches the cluster by A's write-behind; an engine on node B finds it there
