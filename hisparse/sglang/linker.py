@@ -18,9 +18,11 @@ device rows of a page and stores it (``Client.store``, CUDA tensors through
 rank and engine of the namespace; only the offload owner (TP rank 0 for MLA)
 writes.
 
-The namespace and page layout are the HiCache backend's (``namespace``): an
-MLA KV page is layer-major with KV rows as region rows, so engines on the
-linker and engines on ``HisparseStore`` of the same model share pages.
+The KV lane's namespace and page layout are derived as the HiCache
+backend's are (``namespace``: layer-major, KV rows as region rows). The
+indexer lane's layout (a region row per page) differs from the backend's
+flat indexer pages, so a DSA engine on the linker and one on
+``HisparseStore`` do not share hits; engines on the same path do.
 Each device pool entry SGLang's assembler resolves is a lane on a namespace
 of its own: the KV pool (a region row per token) and, for DeepSeek-V3.2 /
 GLM-5 (``DSATokenToKVPool``), the DSA indexer (a region row per page). An
