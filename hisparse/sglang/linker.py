@@ -23,6 +23,7 @@ backend's are (``namespace``: layer-major, KV rows as region rows). The
 indexer lane's layout (a region row per page) differs from the backend's
 flat indexer pages, so a DSA engine on the linker and one on
 ``HisparseStore`` do not share hits; engines on the same path do.
+
 Each device pool entry SGLang's assembler resolves is a lane on a namespace
 of its own: the KV pool (a region row per token) and, for DeepSeek-V3.2 /
 GLM-5 (``DSATokenToKVPool``), the DSA indexer (a region row per page). An
