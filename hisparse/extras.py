@@ -17,6 +17,7 @@ EXTRA_FOR_MODULE: dict[str, str] = {
     "triton": "engine",
     "cuda": "engine",
     "vllm": "vllm",
+    "sglang": "sglang",
     "matplotlib": "plot",
 }
 
