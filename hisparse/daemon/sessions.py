@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from hisparse.daemon.calltags import CallTags
 from hisparse.daemon.namespaces import Namespace, Registry
 from hisparse.errors import InvalidArgument
 from hisparse.shm.fence import FENCE_SUFFIX, LOST, FenceFile
@@ -59,6 +60,7 @@ class Session:
     fence_verified: bool = False  # the client's lock on its fence was seen once
     reservations: dict[bytes, int] = field(default_factory=dict)  # key -> page (WRITING)
     pins: dict[int, PinHold] = field(default_factory=dict)  # page -> hold
+    tags: CallTags = field(default_factory=CallTags)  # which call took which hold (calltags)
 
     @property
     def handle(self) -> str:

@@ -26,7 +26,7 @@ import os
 from collections import deque
 from typing import Any
 
-from hisparse.client.fence import open_locked
+from hisparse.client.fence import close_locked, open_locked
 from hisparse.errors import LeaseExpired
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,5 @@ class WorkerFences:
 
     def _close(self, path: str) -> None:
         fd, mm = self._open.pop(path)
-        try:
-            mm.close()
-        finally:
-            os.close(fd)  # drops this process's lock
+        close_locked(fd, mm)  # drops this process's lock
         log.debug("worker let go of fence %s", os.path.basename(path))

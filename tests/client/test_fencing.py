@@ -42,8 +42,13 @@ class Actor:
                "--layout", f"{LAYOUT.num_layers},{LAYOUT.block_tokens},{LAYOUT.row_bytes}"]
         for name, value in opts.items():
             cmd += [f"--{name}", str(value)]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+
+    def say(self, line: str = "go") -> None:
+        """One line on the actor's stdin (the roles that wait for one)."""
+        self.proc.stdin.write(line + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
 
     def until(self, at: str, timeout_s: float = 60) -> dict[str, Any]:
         """The next line whose ``at`` is ``at`` (a stalled process has printed it last)."""
