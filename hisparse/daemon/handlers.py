@@ -243,16 +243,21 @@ def _settle(session: Session, req: KeysRequest, what: str, apply) -> int:
 
 def handle_commit(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     ns = _ns(session)
-    if ctx.cluster is None:
-        return {"committed": _settle(session, req, "commit", ns.index.commit)}
+    index = ns.index
     done: list[tuple[bytes, int]] = []
+    cleared: list[bytes] = []
 
     def commit(key: bytes, page: int) -> None:
-        ns.index.commit(key, page)
+        if page in index.cleared_writes:  # reserved before a clear: its bytes predate it
+            index.abort(key, page)
+            cleared.append(key)
+            return
+        index.commit(key, page)
         done.append((key, page))
-    committed = _settle(session, req, "commit", commit)
-    ctx.cluster.committed(ns, done)
-    return {"committed": committed}
+    _settle(session, req, "commit", commit)
+    if ctx.cluster is not None and done:
+        ctx.cluster.committed(ns, done)
+    return {"committed": len(done), "cleared": cleared} if cleared else {"committed": len(done)}
 
 
 def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:

@@ -67,7 +67,9 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
                           "(the request may carry tag: int, the calling operation's nonce, which "
                           "abort names to give back only what this call reserved)",
                  "evicted": "list[bytes]: keys evicted (least recently used) to make room"},
-    Op.COMMIT: {"committed": "int"},
+    Op.COMMIT: {"committed": "int: pages made visible",
+                "cleared": "list[bytes], only when not empty: keys whose reservation predates "
+                           "a clear of the namespace: aborted, never visible (a clear is a barrier)"},
     Op.ABORT: {"aborted": "int (the request may say missing_ok: true to skip keys not held; "
                           "with tag: int, only reservations that reserves with that tag took, "
                           "others skipped: what a call whose reserve reply was lost sends)"},

@@ -242,8 +242,7 @@ class HiSparseOffloadingManager(OffloadingManager):
             self._counts["ALLOCATION_FAILURES"] += 1
             return None
         except DaemonUnavailable as exc:
-            # The daemon may still act on it: give back whatever it reserves, later.
-            self._syncer.submit(Job("abort_missing", session, offer, []))
+            # The daemon may still act on it: ops.reserve gives back what this call reserved.
             self._syncer.unreachable("reserve", exc)
             self._counts["ALLOCATION_FAILURES"] += 1
             return None

@@ -41,7 +41,7 @@ MIN_INTERVAL_S = 0.001
 
 @dataclass
 class Job:
-    """A daemon request queued by the scheduler's thread: ``commit``, ``abort``, ``abort_missing`` or ``unpin``."""
+    """A daemon request queued by the scheduler's thread: ``commit``, ``abort`` or ``unpin``."""
 
     op: str
     session: Session
@@ -200,13 +200,12 @@ class Syncer:
 
     def _run_job(self, job: Job) -> None:
         if job.op == "commit":
-            self._ops.commit(job.session, job.keys)
+            # Keys reserved before a reset (a clear) are aborted by the daemon, not published.
+            cleared = set(self._ops.commit(job.session, job.keys))
             with self._lock:
-                self._on_published(job.keys, job)
+                self._on_published([k for k in job.keys if k not in cleared], job)
         elif job.op == "abort":
             self._ops.abort(job.session, job.keys)
-        elif job.op == "abort_missing":
-            self._ops.abort(job.session, job.keys, missing_ok=True)
         elif job.op == "unpin":
             self._ops.unpin(job.session, job.pages)
         else:

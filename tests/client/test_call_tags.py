@@ -124,3 +124,50 @@ def test_abort_by_tag_frees_only_what_that_tag_reserved(hisparsed):
         assert c.request(Op.RESERVE, keys=mine, tag="x").error_code == ErrorCode.PROTOCOL_ERROR.value
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("path", ["load", "vllm-pin"])
+def test_a_pin_whose_reply_was_lost_is_released_without_the_session_ending(daemon_factory, path):
+    from hisparse.vllm.rpc import NamespaceOps  # the pin path of the vLLM syncer and host pool
+
+    d = daemon_factory(lease_ttl=30)
+    keys = chain("p", 4)
+    with client.attach(NS, LAYOUT, socket=d.socket, capacity=LAYOUT.page_bytes * 8,
+                       timeout_s=TIMEOUT_S) as c:
+        assert _store(c, keys) == 4
+        handle = c.session.handle
+        out = np.zeros((4, LAYOUT.page_bytes), dtype=np.uint8)
+        with Stalled(d.pid), pytest.raises(DaemonUnavailable):
+            if path == "load":
+                c.load(keys, out)
+            else:
+                NamespaceOps(c).pin_each(keys)
+        # the resumed daemon pins for a call that gave up; that call's release follows
+        assert c.lookup(keys) == 4
+        wait_for(lambda: ns_stats(d.socket)["pinned_pages"] == 0, "the lost pins to be released",
+                 timeout_s=15)
+        assert c.session.handle == handle and ns_stats(d.socket)["sessions"] == 1, \
+            "released by the session's end, not by the call"
+        assert c.load(keys, out) == 4 and bad_pages(keys, out, LAYOUT.page_bytes) == []
+        assert ns_stats(d.socket)["pinned_pages"] == 0
+
+
+def test_unpin_by_tag_releases_only_that_calls_pins(hisparsed):
+    c = RawClient(hisparsed.socket)
+    try:
+        c.hello(NS, LAYOUT, LAYOUT.page_bytes * 8)
+        keys = chain("u", 3)
+        c.store(keys, [bytes(LAYOUT.page_bytes)] * 3)
+        assert c.call(Op.PIN, keys=keys, tag=7)["count"] == 3
+        mine = c.call(Op.PIN, keys=keys[:2], tag=8)["pages"]
+        theirs = c.call(Op.PIN, keys=keys, tag=9)["pages"]
+        assert c.call(Op.UNPIN, pages=theirs[:1], tag=9) == {"unpinned": 1}  # off 9's record too
+        assert c.call(Op.UNPIN, tag=8) == {"unpinned": 2}
+        assert c.call(Op.UNPIN, tag=8) == {"unpinned": 0}  # idempotent
+        assert c.request(Op.PIN, keys=keys, tag=8).error_code == ErrorCode.INVALID_ARGUMENT.value
+        assert c.call(Op.UNPIN, tag=9) == {"unpinned": 2}
+        assert c.call(Op.UNPIN, tag=7) == {"unpinned": 3}
+        assert ns_stats(hisparsed.socket)["pinned_pages"] == 0
+        assert mine == theirs[:2]
+    finally:
+        c.close()
