@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from hisparse.errors import InvalidArgument, LeaseExpired
-from hisparse.shm.fence import HEADER_BYTES, LIVE, STATE_NAMES, read_header, read_state
+from hisparse.shm.fence import HEADER_BYTES, LIVE, RELEASED, STATE_NAMES, read_header, read_state
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ def open_locked(path: str) -> tuple[int, mmap.mmap]:
         # Blocking: the daemon's probe holds LOCK_EX for microseconds at most.
         fcntl.flock(fd, fcntl.LOCK_SH)
         mm = mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+        if read_state(mm) == RELEASED:  # locked after the daemon freed its pages: hold nothing
+            mm.close()
+            raise LeaseExpired(f"fence {path} was released: the daemon freed the session's pages")
     except BaseException:
         close_locked(fd, None)
         raise
