@@ -13,6 +13,10 @@ Roles:
   and what the pinned pages hold.
 - ``soak-writer`` / ``soak-reader`` / ``soak-churn``: loops for the soak test,
   each reporting every wrong page it ever saw; they run until ``--until`` exists.
+- ``soak-threads``: two threads of one client store and load the same chains
+  at once, with a short ``--timeout`` that daemon stalls run past.
+- ``soak-forker``: pins a chain, forks a child that reads the pinned pages
+  under a hold of its own and exits with the number of wrong pages.
 - ``pin-owner``: pin keys, report the session's fence file, wait to be killed.
 - ``fork-holder``: a worker that holds ``--fence`` (``hisparse.client.fence.hold``)
   and forks a child that holds it too and exits (``--variant after``: forked
@@ -158,6 +162,70 @@ def soak_churn(c: client.Client, args: argparse.Namespace) -> None:
     emit(at="done", rounds=rounds, bad=bad, errors=errors)
 
 
+def soak_threads(c: client.Client, args: argparse.Namespace) -> None:
+    import threading
+
+    pb = c.layout.page_bytes
+    totals = {"rounds": 0, "bad": 0, "errors": 0}
+    lock = threading.Lock()
+
+    def loop(t: int) -> None:
+        rng = np.random.default_rng(os.getpid() * 2 + t)
+        while not _until(args):
+            keys = chain(f"{args.seed}/threads/{int(rng.integers(0, 4))}", args.count)
+            try:
+                c.store(keys, pages_for(keys, pb))  # the other thread may store the same keys
+                out = np.zeros((len(keys), pb), dtype=np.uint8)
+                m = c.load(keys, out)
+                bad = len(bad_pages(keys[:m], out, pb))
+                with lock:
+                    totals["rounds"] += 1
+                    totals["bad"] += bad
+            except HisparseError:
+                with lock:
+                    totals["errors"] += 1  # timeouts while the daemon is stopped
+                time.sleep(0.01)
+
+    threads = [threading.Thread(target=loop, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    emit(at="done", **totals)
+
+
+def soak_forker(c: client.Client, args: argparse.Namespace) -> None:
+    from hisparse.client.fence import hold
+
+    pb = c.layout.page_bytes
+    forks, bad, errors = 0, 0, 0
+    while not _until(args):
+        keys = chain(f"{args.seed}/fork/{forks % 4}", args.count)
+        try:
+            c.store(keys, pages_for(keys, pb))
+            with c.pin(keys) as pin:
+                session, pages = pin._session, pin.page_ids.tolist()
+                child = os.fork()
+                if child == 0:  # reads the pinned pages under a hold of its own
+                    wrong = 0
+                    try:
+                        with hold(session.fence_path, "soak read"):
+                            view = session.region.pages_view()
+                            wrong = sum(not np.array_equal(view[:, p, :].reshape(-1), page_for(k, pb))
+                                        for p, k in zip(pages, keys))
+                    except LeaseExpired:
+                        pass  # the session was lost: nothing read
+                    except BaseException:
+                        wrong = 100
+                    os._exit(min(wrong, 100))
+                _, status = os.waitpid(child, 0)
+                forks += 1
+                bad += os.waitstatus_to_exitcode(status)
+        except HisparseError:
+            errors += 1
+    emit(at="done", forks=forks, bad=bad, errors=errors)
+
+
 def pin_owner(c: client.Client, args: argparse.Namespace) -> None:
     pin = c.pin(chain(args.seed, args.count))
     emit(at="pinned", count=pin.count, fence=c.session.fence_path)
@@ -215,7 +283,8 @@ def fork_holder(args: argparse.Namespace) -> None:
 
 
 ROLES = {"stall-writer": stall_writer, "stall-reader": stall_reader, "soak-writer": soak_writer,
-         "soak-reader": soak_reader, "soak-churn": soak_churn, "pin-owner": pin_owner}
+         "soak-reader": soak_reader, "soak-churn": soak_churn, "pin-owner": pin_owner,
+         "soak-threads": soak_threads, "soak-forker": soak_forker}
 
 
 def main(argv: list[str] | None = None) -> int:
