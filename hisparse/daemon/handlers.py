@@ -296,7 +296,8 @@ def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[s
 
 def handle_unpin(ctx: DaemonContext, session: Session, req: PagesRequest) -> dict[str, Any]:
     index = _ns(session).index
-    if req.tag is not None and not req.pages:
+    if req.whole_call:
+        assert req.tag is not None
         return {"unpinned": _unpin_call(session, index, req.tag)}
     need: dict[int, int] = {}
     for i, page in enumerate(req.pages):

@@ -70,6 +70,7 @@ class PagesRequest(Request):
 
     pages: tuple[int, ...]
     tag: int | None = None
+    whole_call: bool = False  # no pages, a tag: release what that call pinned
 
 
 @dataclass(frozen=True)
@@ -274,7 +275,7 @@ def decode_request(frame: bytes) -> Request:
     if op is Op.UNPIN:
         tag = _tag(msg, op)
         if tag is not None and msg.get("pages") is None:
-            return PagesRequest(op, rid, session, (), tag)  # release what that call pinned
+            return PagesRequest(op, rid, session, (), tag, whole_call=True)
         return PagesRequest(op, rid, session, _pages(msg), tag)
     if op is Op.PUBLISH:
         keys, as_keys = _keys(msg), _keys(msg, "as_keys")

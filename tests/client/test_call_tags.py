@@ -171,3 +171,17 @@ def test_unpin_by_tag_releases_only_that_calls_pins(hisparsed):
         assert mine == theirs[:2]
     finally:
         c.close()
+
+
+def test_unpin_of_no_pages_under_a_tag_releases_nothing(hisparsed):
+    c = RawClient(hisparsed.socket)
+    try:
+        c.hello(NS, LAYOUT, LAYOUT.page_bytes * 8)
+        keys = chain("e", 1)
+        c.store(keys, [bytes(LAYOUT.page_bytes)])
+        assert c.call(Op.PIN, keys=keys, tag=5)["count"] == 1
+        assert c.call(Op.UNPIN, pages=[], tag=5) == {"unpinned": 0}  # pages given: only those
+        assert ns_stats(hisparsed.socket)["pinned_pages"] == 1
+        assert c.call(Op.UNPIN, tag=5) == {"unpinned": 1}
+    finally:
+        c.close()
