@@ -3,8 +3,9 @@
 A page becomes visible only at its commit; any failure between reserve and
 commit aborts the reservations this call took, so no partial page is ever
 seen. Each call tags its reserves (``hisparse.client.calls``): what it
-gives back after a lost reply is only what it reserved. Keys another session is writing (``SLOT_BUSY``) are waited for: its
-commit makes them committed here too, its abort hands them to this call.
+gives back after a lost reply is only what it reserved. Keys another
+session (or thread) is writing (``SLOT_BUSY``) are waited for: its commit
+makes them committed here too, its abort hands them to this call.
 """
 
 from __future__ import annotations
