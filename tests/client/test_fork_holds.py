@@ -13,22 +13,8 @@ import pytest
 
 from hisparse import client
 from tests.client.engine import chain, pages_for
-from tests.client.test_fencing import LAYOUT, NS, Actor, ns_stats
+from tests.client.test_fencing import LAYOUT, NS, actors, ns_stats  # noqa: F401  (actors: the fixture)
 from tests.waiting import wait_for
-
-
-@pytest.fixture
-def actors():
-    made: list[Actor] = []
-
-    def make(*args, **kwargs) -> Actor:
-        a = Actor(*args, **kwargs)
-        made.append(a)
-        return a
-
-    yield make
-    for a in made:
-        a.kill()
 
 
 @pytest.mark.parametrize("variant", ["after", "during"])
