@@ -41,7 +41,8 @@ MIN_INTERVAL_S = 0.001
 
 @dataclass
 class Job:
-    """A daemon request queued by the scheduler's thread: ``commit``, ``abort`` or ``unpin``."""
+    """A daemon request queued by the scheduler's thread: ``commit``, ``abort``, ``unpin``, or
+    ``clear`` (a reset whose clear got no answer: sent again, in order, until it is done)."""
 
     op: str
     session: Session
@@ -78,7 +79,7 @@ class Syncer:
     # -- from the scheduler's thread (any thread) --
 
     def submit(self, job: Job) -> None:
-        if job.keys:
+        if job.keys or job.op == "clear":
             self._jobs.append(job)
             self._wake.set()
 
@@ -208,5 +209,7 @@ class Syncer:
             self._ops.abort(job.session, job.keys)
         elif job.op == "unpin":
             self._ops.unpin(job.session, job.pages)
+        elif job.op == "clear":  # a reset_cache the daemon did not answer at the time
+            self._ops.clear()
         else:
             raise AssertionError(job.op)

@@ -80,3 +80,20 @@ def test_a_reset_with_a_commit_queued_drops_it_on_every_engine(vllm_engines):
     a.drain()
     assert snapshot(a)["committed_keys"] == 0, "A's own mirror shows a pre-reset key"
     computes_everything(vllm_engines(engine_id="b"), tokens)
+
+
+def test_a_reset_while_the_daemon_is_away_still_clears_once_it_is_back(vllm_engines, hisparsed):
+    from tests.vllm.conftest import wait_until
+
+    a = vllm_engines(engine_id="a")
+    tokens = prompt(23, 100)
+    a.add("a", tokens)
+    a.run(["a"])
+    a.drain()
+    assert snapshot(a)["committed_keys"] == 6
+    hisparsed.kill()
+    reset(a)  # its clear reaches no daemon
+    hisparsed.start()  # which adopts every committed page
+    wait_until(lambda: snapshot(a)["pending_jobs"] == 0 and snapshot(a)["daemon_up"],
+               what="the queued clear")
+    computes_everything(vllm_engines(engine_id="b"), tokens)
