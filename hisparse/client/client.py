@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hisparse.client import backends
+from hisparse.client.calls import new_tag
 from hisparse.client.keys import check_keys
 from hisparse.client.pins import Pin
 from hisparse.client.results import ShortStoreWarnings, StoreResult
@@ -143,6 +144,11 @@ class Client:
         """One request on ``session`` exactly; ``LeaseExpired`` when the daemon no longer knows it."""
         return self._call_in(session, op, timeout_s, **fields)
 
+    def give_back(self, session: ClientSession, op: Op, **fields: Any) -> None:
+        """What a call whose reply was lost owes: ``abort`` (keys, tag) or ``unpin`` (tag) on
+        ``session``, sent in the background until answered (``hisparse.client.calls``)."""
+        self._sessions.owed.give_back(session, op, **fields)
+
     def _count(self, **deltas: float) -> None:
         with self._counters_lock:
             for name, delta in deltas.items():
@@ -236,7 +242,8 @@ class Client:
         backend = backends.for_tensor(out)
         started = time.perf_counter()
         for attempt in range(LOST_SESSION_RETRIES + 1):
-            session, pinned, page_ids = self._pin_prefix(keys)
+            tag = new_tag()
+            session, pinned, page_ids = self._pin_prefix(keys, tag)
             if not pinned:
                 return 0
             try:
@@ -250,15 +257,18 @@ class Client:
                     raise
                 continue
             except BaseException:
-                self._unpin_quietly(session, page_ids)
+                self._unpin_quietly(session, page_ids, tag)
                 raise
             try:
-                self._unpin(session, page_ids)
+                self._unpin(session, page_ids, tag)
             except LeaseExpired:
                 # The pins died with the session mid-copy: the copy is not trusted.
                 if attempt == LOST_SESSION_RETRIES:
                     raise
                 continue
+            except BaseException:
+                self._give_back_pins(session, tag)  # the unpin may never have been sent
+                raise
             m = len(pinned)
             self._count(loaded_pages=m, loaded_bytes=m * self.layout.page_bytes,
                         load_s=time.perf_counter() - started)
@@ -269,9 +279,10 @@ class Client:
         """Pin the committed prefix of ``keys``; use as ``with c.pin(keys) as p:``."""
         keys = check_keys(keys, "pin")
         for attempt in range(LOST_SESSION_RETRIES + 1):
-            session, pinned, page_ids = self._pin_prefix(keys)
+            tag = new_tag()
+            session, pinned, page_ids = self._pin_prefix(keys, tag)
             try:
-                return Pin(self._sessions, session, pinned, page_ids.tolist())
+                return Pin(self._sessions, session, pinned, page_ids.tolist(), tag)
             except LeaseExpired:
                 # Another thread re-attached and let the session's fence go in
                 # between: those pins are lost with it. Pin again.
@@ -279,35 +290,45 @@ class Client:
                     raise
         raise AssertionError("unreachable")
 
-    def _pin_prefix(self, keys: list[bytes]) -> tuple[ClientSession, list[bytes], np.ndarray]:
-        """Pin the committed prefix, all under one session: (session, keys pinned, page ids)."""
+    def _pin_prefix(self, keys: list[bytes], tag: int) -> tuple[ClientSession, list[bytes], np.ndarray]:
+        """Pin the committed prefix, all under one session and ``tag``: (session, keys pinned,
+        page ids). A request without its reply gives back every pin of the call, by tag."""
         for _ in range(LOST_SESSION_RETRIES + 1):
             session: ClientSession | None = None
             pages: list[int] = []
             try:
                 for chunk in chunks(keys):
                     if session is None:
-                        body, session = self._call(Op.PIN, keys=chunk)
+                        body, session = self._call(Op.PIN, keys=chunk, tag=tag)
                     else:
-                        body = self._call_in(session, Op.PIN, keys=chunk)
+                        body = self._call_in(session, Op.PIN, keys=chunk, tag=tag)
                     pages.extend(body["pages"])
                     if int(body["count"]) < len(chunk):
                         break
             except LeaseExpired:
                 continue  # lost between chunks: the pins taken so far are gone, start over
+            except BaseException:
+                # Timeout, Ctrl-C: the daemon may pin later what we never learn of.
+                self._give_back_pins(session or self._sessions.session, tag)
+                raise
             assert session is not None
             return session, keys[:len(pages)], np.asarray(pages, dtype=np.int64)
         raise LeaseExpired("pin: the session was lost repeatedly")
 
-    def _unpin(self, session: ClientSession, page_ids: Any) -> None:
-        self._sessions.unpin(session, page_ids)
+    def _give_back_pins(self, session: ClientSession, tag: int) -> None:
+        self._sessions.owed.give_back(session, Op.UNPIN, wait=True, tag=tag)
 
-    def _unpin_quietly(self, session: ClientSession, page_ids: Any) -> None:
+    def _unpin(self, session: ClientSession, page_ids: Any, tag: int | None = None) -> None:
+        self._sessions.unpin(session, page_ids, tag)
+
+    def _unpin_quietly(self, session: ClientSession, page_ids: Any, tag: int) -> None:
         try:
-            self._unpin(session, page_ids)
+            self._unpin(session, page_ids, tag)
+        except LeaseExpired:
+            pass  # released with the session
         except HisparseError as exc:
-            log.warning("unpin of %d pages failed (%s); they are released with the session",
-                        len(page_ids), exc)
+            log.warning("unpin of %d pages failed (%s); given back by tag", len(page_ids), exc)
+            self._give_back_pins(session, tag)
 
     def layer_rows(self, layer: int, device: Any = None) -> torch.Tensor:
         """uint8 ``[N*block_tokens, row_bytes]``: one layer's slab of the region (no copy).

@@ -19,6 +19,16 @@ part in it:
 ``live`` is one read of the file's header: the daemon writes LOST there when
 it ends the session, so a process that comes back from a stall learns that
 its holds are gone before it uses them, without a round trip.
+
+A hold belongs to the process that took it. An flock belongs to the open
+file description, which ``fork`` shares: a child that unlocked an inherited
+descriptor would drop its parent's lock, and one that kept it would extend
+the parent's hold past the parent's life. So every fence descriptor of this
+process is on record (``_FDS``), and in a forked child (``os.register_at_fork``)
+each one is closed without being unlocked, the cache of ``hold`` starts
+empty, the child's ``Fence`` objects read as let go, and a ``hold`` the
+parent was inside when it forked does nothing in the child when it ends.
+The child takes holds of its own, on descriptors of its own, with ``hold``.
 """
 
 from __future__ import annotations
@@ -28,24 +38,25 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from hisparse.errors import InvalidArgument, LeaseExpired
-from hisparse.shm.fence import HEADER_BYTES, LIVE, STATE_NAMES, read_header, read_state
+from hisparse.shm.fence import HEADER_BYTES, LIVE, RELEASED, STATE_NAMES, read_header, read_state
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fence", "hold", "open_locked"]
+__all__ = ["Fence", "close_locked", "hold", "open_locked"]
 
 
 def open_locked(path: str) -> tuple[int, mmap.mmap]:
     """Open a fence read-only, take LOCK_SH, map its header: ``(fd, header map)``.
 
-    ``LeaseExpired`` when the file is gone. Closing ``fd`` drops the lock.
+    ``LeaseExpired`` when the file is gone. ``close_locked(fd, mm)`` drops the lock.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = _open_fd(path)
     except FileNotFoundError:
         raise LeaseExpired(f"fence {path} is gone: the daemon released the session") from None
     except OSError as exc:
@@ -56,10 +67,61 @@ def open_locked(path: str) -> tuple[int, mmap.mmap]:
         # Blocking: the daemon's probe holds LOCK_EX for microseconds at most.
         fcntl.flock(fd, fcntl.LOCK_SH)
         mm = mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+        if read_state(mm) == RELEASED:  # locked after the daemon freed its pages: hold nothing
+            mm.close()
+            raise LeaseExpired(f"fence {path} was released: the daemon freed the session's pages")
     except BaseException:
-        os.close(fd)
+        close_locked(fd, None)
         raise
+    with _FDS_LOCK:
+        if _FDS.get(fd, mm) is None:
+            _FDS[fd] = mm
     return fd, mm
+
+
+def close_locked(fd: int, mm: mmap.mmap | None) -> None:
+    """Unmap and close what ``open_locked`` gave; this process's lock goes with the last
+    descriptor. In a forked child, a pair its parent opened is left alone (already closed)."""
+    if mm is not None:
+        mm.close()
+    with _FDS_LOCK:
+        if fd in _FDS and _FDS[fd] in (mm, None):
+            del _FDS[fd]
+            os.close(fd)
+
+
+# -- fork: a hold belongs to the process that took it (see the module docstring) --
+
+_FDS_LOCK = threading.Lock()  # held across fork, so the record matches the child's fd table
+_FDS: dict[int, mmap.mmap | None] = {}  # every fence descriptor this process has open -> its map
+_FENCES: weakref.WeakSet[Fence] = weakref.WeakSet()
+
+
+def _open_fd(path: str) -> int:
+    with _FDS_LOCK:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        _FDS[fd] = None
+    return fd
+
+
+def _after_fork_in_child() -> None:
+    """The child lets go of nothing of its parent's, and keeps none of it either."""
+    global _FDS_LOCK, _CACHE_LOCK, _CACHE
+    for fd in list(_FDS):
+        try:
+            os.close(fd)  # never flock(LOCK_UN): that would unlock the parent's description
+        except OSError:
+            pass
+    _FDS.clear()
+    _FDS_LOCK = threading.Lock()
+    _CACHE_LOCK = threading.Lock()  # another thread may have held these at the fork
+    _CACHE = {}
+    for fence in list(_FENCES):
+        fence._inherited()
+
+
+os.register_at_fork(before=lambda: _FDS_LOCK.acquire(), after_in_parent=lambda: _FDS_LOCK.release(),
+                    after_in_child=_after_fork_in_child)
 
 
 class Fence:
@@ -72,6 +134,12 @@ class Fence:
         self._refs = 1  # the session being current
         self._retired = False
         self._closed = False
+        _FENCES.add(self)
+
+    def _inherited(self) -> None:
+        """In a forked child: the descriptor is gone (closed, not unlocked); nothing is held."""
+        self._lock = threading.Lock()
+        self._closed = True
 
     @property
     def state(self) -> int:
@@ -134,10 +202,7 @@ class Fence:
                 return
             self._closed = True
             mm, fd = self._mm, self._fd
-        try:
-            mm.close()
-        finally:
-            os.close(fd)  # drops the lock: the daemon may now reuse the pages
+        close_locked(fd, mm)  # drops the lock: the daemon may now reuse the pages
         log.debug("fence %s let go", os.path.basename(self.path))
 
     @property
@@ -159,8 +224,10 @@ class _Shared:
         fcntl.flock(self.fd, fcntl.LOCK_UN)  # taken per job below
         self.lock = threading.Lock()
         self.users = 0
+        self.pid = os.getpid()  # a forked child never touches this one (it has its own)
 
     def enter(self, what: str) -> None:
+        assert self.pid == os.getpid(), "a fence hold of another process"
         with self.lock:  # flock is per open file: threads of this process share one lock
             if self.users == 0:
                 fcntl.flock(self.fd, fcntl.LOCK_SH)
@@ -173,6 +240,8 @@ class _Shared:
                            f"{STATE_NAMES.get(state, 'gone')}; nothing is copied")
 
     def leave(self) -> None:
+        if self.pid != os.getpid():
+            return  # the parent's hold, entered before this child was forked: not ours to end
         with self.lock:
             self._leave_locked()
 
@@ -185,8 +254,7 @@ class _Shared:
         with self.lock:
             if self.users or read_state(self.mm) == LIVE:
                 return False
-            self.mm.close()
-            os.close(self.fd)
+            close_locked(self.fd, self.mm)
             return True
 
 

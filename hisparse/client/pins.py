@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hisparse.extras import require
-from hisparse.errors import InvalidArgument, LeaseExpired
+from hisparse.errors import DaemonUnavailable, InvalidArgument, LeaseExpired
+from hisparse.protocol import Op
 
 if TYPE_CHECKING:
     import torch
@@ -36,8 +37,10 @@ log = logging.getLogger(__name__)
 class Pin:
     """Pinned pages of a key chain's committed prefix (``len(pin)`` of them)."""
 
-    def __init__(self, sessions: Sessions, session: ClientSession, keys: list[bytes], page_ids: list[int]) -> None:
+    def __init__(self, sessions: Sessions, session: ClientSession, keys: list[bytes], page_ids: list[int],
+                 tag: int | None = None) -> None:
         self._sessions = sessions
+        self._tag = tag  # the pinning call's (hisparse.client.calls)
         self._session = session
         self.keys = keys
         self.page_ids = np.asarray(page_ids, dtype=np.int64)
@@ -92,9 +95,15 @@ class Pin:
             self._released = True
         try:
             if self.count and self._sessions.is_live(self._session) and self._session.fence.live:
-                self._sessions.unpin(self._session, self.page_ids)
+                self._sessions.unpin(self._session, self.page_ids, self._tag)
         except LeaseExpired:
             pass  # lost with its session meanwhile: nothing left to unpin
+        except DaemonUnavailable:
+            if self._tag is None:
+                raise
+            # Maybe never sent: the pinning call's tag gives back what is still pinned.
+            self._sessions.owed.give_back(self._session, Op.UNPIN, tag=self._tag)
+            raise
         finally:
             self._finalizer()  # the fence reference, exactly once
 

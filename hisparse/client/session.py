@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from hisparse.client.calls import Owed
 from hisparse.client.fence import Fence
 from hisparse.client.regions import acquire_region, release_region
 from hisparse.client.transport import Transport
@@ -69,6 +70,7 @@ class Sessions:
         self._hello_lock = threading.Lock()
         self.closed = False
         self.transport = Transport(socket_path)
+        self.owed = Owed(self)  # releases by tag that calls whose replies were lost still owe
         try:
             self._session = self._hello()
         except BaseException:
@@ -159,11 +161,12 @@ class Sessions:
             log.info("hisparsed's lease is now %.1fs (was %.1fs)", ttl, session.lease_ttl_s)
             object.__setattr__(session, "lease_ttl_s", float(ttl))  # frozen for callers, not for us
 
-    def unpin(self, session: ClientSession, page_ids: Any) -> None:
-        """Unpin by page id, as the pin replies named them (a key may sit in two pages)."""
+    def unpin(self, session: ClientSession, page_ids: Any, tag: int | None = None) -> None:
+        """Unpin by page id, as the pin replies named them (a key may sit in two pages);
+        ``tag``: the pinning call's, so the daemon's record of that call forgets them too."""
         pages = [int(p) for p in page_ids]
         for start in range(0, len(pages), MAX_KEYS_PER_REQUEST):
-            self.call_in(session, Op.UNPIN, pages=pages[start:start + MAX_KEYS_PER_REQUEST])
+            self.call_in(session, Op.UNPIN, pages=pages[start:start + MAX_KEYS_PER_REQUEST], tag=tag)
 
     def close(self) -> None:
         """Say bye (releasing the session's pins and reservations) and stop the heartbeat."""
@@ -172,6 +175,7 @@ class Sessions:
                 return
             self.closed = True
         self._stop.set()
+        self.owed.close()
         if self._heartbeat is not threading.current_thread():
             self._heartbeat.join(timeout=self.timeout_s)
         session = self._session

@@ -197,14 +197,23 @@ def _require_fence(session: Session, what: str) -> None:
 def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     ns = _ns(session)
     _require_fence(session, "reserve")
+    _refuse_given_back(session, req)
     slots, evicted = ns.index.reserve(req.keys, session.reservations, reserve_room(ctx, session))
     # The hold is on record before the reply grants it: a successor daemon fences it.
     session.fence.add_reserved([s for s in slots if s >= 0])  # type: ignore[union-attr]
+    session.tags.reserved(req.tag, [key for key, s in zip(req.keys, slots) if s >= 0])
     if evicted:
         ctx.evictions_since_log[ns.name] = ctx.evictions_since_log.get(ns.name, 0) + len(evicted)
     if ctx.cluster is not None:
         ctx.cluster.reserved(ns)
     return {"slots": slots, "evicted": evicted}
+
+
+def _refuse_given_back(session: Session, req: KeysRequest) -> None:
+    """A request of a call that was already given up (its reply lost) takes nothing."""
+    if session.tags.given_back(req.tag):
+        raise WireError(ErrorCode.INVALID_ARGUMENT,
+                        f"{req.op.value}: its call (tag {req.tag}) was already given up; nothing taken")
 
 
 def _held(session: Session, keys: tuple[bytes, ...], what: str) -> list[int]:
@@ -227,31 +236,40 @@ def _settle(session: Session, req: KeysRequest, what: str, apply) -> int:
     for key, page in zip(req.keys, pages):
         del session.reservations[key]
         apply(key, page)
+    session.tags.settled(req.keys)
     session.fence.clear_reserved(pages)  # type: ignore[union-attr]  (after: a crash keeps it fenced)
     return len(req.keys)
 
 
 def handle_commit(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     ns = _ns(session)
-    if ctx.cluster is None:
-        return {"committed": _settle(session, req, "commit", ns.index.commit)}
+    index = ns.index
     done: list[tuple[bytes, int]] = []
+    cleared: list[bytes] = []
 
     def commit(key: bytes, page: int) -> None:
-        ns.index.commit(key, page)
+        if page in index.cleared_writes:  # reserved before a clear: its bytes predate it
+            index.abort(key, page)
+            cleared.append(key)
+            return
+        index.commit(key, page)
         done.append((key, page))
-    committed = _settle(session, req, "commit", commit)
-    ctx.cluster.committed(ns, done)
-    return {"committed": committed}
+    _settle(session, req, "commit", commit)
+    if ctx.cluster is not None and done:
+        ctx.cluster.committed(ns, done)
+    return {"committed": len(done), "cleared": cleared} if cleared else {"committed": len(done)}
 
 
 def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     index = _ns(session).index
-    if req.missing_ok:
-        held = [key for key in dict.fromkeys(req.keys) if key in session.reservations]
+    if req.tag is not None or req.missing_ok:
+        # tag: only what that call's reserves took, never another thread's live reservation
+        keys = session.tags.reserved_by(req.tag, req.keys) if req.tag is not None else req.keys
+        held = [key for key in dict.fromkeys(keys) if key in session.reservations]
         pages = [session.reservations.pop(key) for key in held]
         for key, page in zip(held, pages):
             index.abort(key, page)
+        session.tags.settled(held)
         session.fence.clear_reserved(pages)  # type: ignore[union-attr]
         return {"aborted": len(held)}
     return {"aborted": _settle(session, req, "abort", index.abort)}
@@ -260,10 +278,12 @@ def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict
 def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     ns = _ns(session)
     _require_fence(session, "pin")
+    _refuse_given_back(session, req)
     pages = ns.index.committed_prefix_pages(req.keys)  # walked once: the quota sees what is pinned
     check_pin_quota(ctx, session, pages)
     ns.index.pin_pages(pages)
     session.fence.add_pins(pages)  # type: ignore[union-attr]
+    session.tags.pinned(req.tag, pages)
     pins = session.pins
     for key, page in zip(req.keys, pages):
         held = pins.get(page)
@@ -276,6 +296,9 @@ def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[s
 
 def handle_unpin(ctx: DaemonContext, session: Session, req: PagesRequest) -> dict[str, Any]:
     index = _ns(session).index
+    if req.whole_call:
+        assert req.tag is not None
+        return {"unpinned": _unpin_call(session, index, req.tag)}
     need: dict[int, int] = {}
     for i, page in enumerate(req.pages):
         need[page] = need.get(page, 0) + 1
@@ -291,7 +314,25 @@ def handle_unpin(ctx: DaemonContext, session: Session, req: PagesRequest) -> dic
         if held.count == 0:
             del session.pins[page]
     session.fence.remove_pins(list(req.pages))  # type: ignore[union-attr]
+    if req.tag is not None:
+        session.tags.unpinned(req.tag, req.pages)
     return {"unpinned": len(req.pages)}
+
+
+def _unpin_call(session: Session, index: Any, tag: int) -> int:
+    """Release the pins a call took and never unpinned (its reply was lost): each still held."""
+    pages = []
+    for page in session.tags.take_pins(tag):
+        held = session.pins.get(page)
+        if held is None:
+            continue
+        index.unpin(page)
+        held.count -= 1
+        if held.count == 0:
+            del session.pins[page]
+        pages.append(page)
+    session.fence.remove_pins(pages)  # type: ignore[union-attr]
+    return len(pages)
 
 
 def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) -> dict[str, Any]:
@@ -314,6 +355,7 @@ def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) ->
             pages.append(-1)
             continue
         del session.reservations[key]
+        session.tags.settled((key,))
         index.rename(key, new_key, page)
         index.commit(new_key, page)
         done.append((new_key, page))

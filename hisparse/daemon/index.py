@@ -110,6 +110,10 @@ class NamespaceIndex:
         self.num_fenced = 0
         self.counters = IndexCounters()
         self.events = EventLog()
+        # WRITING pages reserved before the last clear: a clear is a barrier, so their
+        # commit aborts them instead (their bytes predate it). A publish is exempt: the
+        # HiSparse pool reserves pages long before it writes them.
+        self.cleared_writes: set[int] = set()
 
     # -- adoption --
 
@@ -241,6 +245,7 @@ class NamespaceIndex:
         self.table.set_writing(page, new_key, self.table.generation_of(page))
 
     def commit(self, key: bytes, page: int) -> None:
+        self.cleared_writes.discard(page)
         self.table.set_state(page, COMMITTED)
         self.state[page] = COMMITTED
         self.lru.release(page)
@@ -251,6 +256,7 @@ class NamespaceIndex:
 
     def abort(self, key: bytes, page: int, fenced: bool = False) -> None:
         """WRITING -> FREE, never visible; ``fenced``: FENCED until ``release_fenced``."""
+        self.cleared_writes.discard(page)
         self.table.set_state(page, FREE)
         del self.keys[key]
         self.page_keys[page] = None
@@ -374,12 +380,15 @@ class NamespaceIndex:
         self.unpin(page)
 
     def clear(self) -> tuple[int, int]:
-        """Drop every committed page: (freed now, doomed until unpinned). WRITING stays.
+        """Drop every committed page: (freed now, doomed until unpinned). WRITING stays
+        reserved, but is never committed (``cleared_writes``): nothing written before a
+        clear is visible after it.
 
         Vectorised over the region: no per-page event (mirrors are told to
         resync instead), so 4M pages take well under a second, not tens.
         """
         states = np.frombuffer(self.state, dtype=np.uint8)
+        self.cleared_writes.update(np.flatnonzero(states == WRITING).tolist())
         committed = np.flatnonzero(states == COMMITTED)
         if not len(committed):
             return 0, 0

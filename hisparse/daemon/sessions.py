@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from hisparse.daemon.calltags import CallTags
 from hisparse.daemon.namespaces import Namespace, Registry
 from hisparse.errors import InvalidArgument
 from hisparse.shm.fence import FENCE_SUFFIX, LOST, FenceFile
@@ -59,6 +60,7 @@ class Session:
     fence_verified: bool = False  # the client's lock on its fence was seen once
     reservations: dict[bytes, int] = field(default_factory=dict)  # key -> page (WRITING)
     pins: dict[int, PinHold] = field(default_factory=dict)  # page -> hold
+    tags: CallTags = field(default_factory=CallTags)  # which call took which hold (calltags)
 
     @property
     def handle(self) -> str:
@@ -158,8 +160,8 @@ class SessionTable:
                         {page: hold.count for page, hold in session.pins.items()})
         session.pins.clear()
         session.fence.set_state(LOST)
-        if (not fenced and not zombie.pins) or session.fence.holder_gone():
-            zombie.release()
+        if (not fenced and not zombie.pins) or session.fence.take_if_free():
+            zombie.release()  # RELEASED is written under the daemon's exclusive lock
             return None
         self.zombies[session.fence.name] = zombie
         return zombie
@@ -187,7 +189,7 @@ class SessionTable:
         """Free the pages of every zombie whose fence no process holds any more."""
         out = []
         for name, zombie in list(self.zombies.items()):
-            if zombie.fence.holder_gone():
+            if zombie.fence.take_if_free():  # kept until the release: nobody locks in between
                 del self.zombies[name]
                 freed, dropped = zombie.release()
                 self.zombies_released_total += 1
@@ -222,7 +224,9 @@ class SessionTable:
                 continue
             ns = registry.namespaces.get(fence.header.namespace)
             if (ns is None or ns.region_id != fence.header.region_id
-                    or ns.geometry.num_pages != fence.header.num_pages or fence.holder_gone()):
+                    or ns.geometry.num_pages != fence.header.num_pages or fence.take_if_free()):
+                # (a fence still reading LIVE: released under the exclusive lock, so no worker
+                # locks it between the probe and RELEASED and copies into pages freed here)
                 fence.close(unlink=True)
                 removed += 1
                 continue

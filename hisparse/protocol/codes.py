@@ -63,12 +63,22 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
                           "those the cluster tier holds (0 without one); wait: false answers "
                           "from what the daemon already knows and asks the cluster meanwhile"},
     Op.RESERVE: {"slots": "list[int], one per key processed in order: a page id to write, "
-                          "SLOT_COMMITTED or SLOT_BUSY; shorter than keys when the region is full",
+                          "SLOT_COMMITTED or SLOT_BUSY; shorter than keys when the region is full "
+                          "(the request may carry tag: int, the calling operation's nonce, which "
+                          "abort names to give back only what this call reserved)",
                  "evicted": "list[bytes]: keys evicted (least recently used) to make room"},
-    Op.COMMIT: {"committed": "int"},
-    Op.ABORT: {"aborted": "int (the request may say missing_ok: true to skip keys not held)"},
-    Op.PIN: {"count": "int: leading keys pinned", "pages": "list[int]: their page ids"},
-    Op.UNPIN: {"unpinned": "int (the request names pages: list[int], as pin replied them)"},
+    Op.COMMIT: {"committed": "int: pages made visible",
+                "cleared": "list[bytes], only when not empty: keys whose reservation predates "
+                           "a clear of the namespace: aborted, never visible (a clear is a barrier)"},
+    Op.ABORT: {"aborted": "int (the request may say missing_ok: true to skip keys not held; "
+                          "with tag: int, only reservations that reserves with that tag took, "
+                          "others skipped: what a call whose reserve reply was lost sends)"},
+    Op.PIN: {"count": "int: leading keys pinned", "pages": "list[int]: their page ids (the "
+                      "request may carry tag: int, the calling operation's nonce; the daemon "
+                      "keeps what recent tagged calls pinned until they unpin it)"},
+    Op.UNPIN: {"unpinned": "int (the request names pages: list[int], as pin replied them, and "
+                           "may name their call's tag; tag without pages releases every pin "
+                           "that call took and has not unpinned: its pin reply was lost)"},
     Op.HEARTBEAT: {"lease_ttl_s": "float"},
     Op.STATS: {"daemon": "map of daemon counters", "namespaces": "map name -> map of counters",
                "sessions": "list of maps (admin sessions only): handle, namespace, client, state "

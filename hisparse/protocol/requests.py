@@ -54,13 +54,23 @@ class KeysRequest(Request):
     remote: bool = False
     # lookup with remote, prefetch: answer once the cluster has (False: at once)
     wait: bool = True
+    # reserve, pin: the calling operation's tag (a client-chosen nonce); abort: give back only
+    # what reserves with this tag took. A call whose reply was lost releases exactly its own.
+    tag: int | None = None
 
 
 @dataclass(frozen=True)
 class PagesRequest(Request):
-    """unpin: page ids as the pin reply gave them (a page pinned twice is listed twice)."""
+    """unpin: page ids as the pin reply gave them (a page pinned twice is listed twice).
+
+    With ``tag``: the pages leave that tagged call's record too; with ``tag``
+    and no ``pages``: every pin that call's requests took and did not give
+    back is released (its reply was lost).
+    """
 
     pages: tuple[int, ...]
+    tag: int | None = None
+    whole_call: bool = False  # no pages, a tag: release what that call pinned
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,7 @@ class AdminRequest(Request):
 
 
 _KEY_OPS = frozenset({Op.LOOKUP, Op.RESERVE, Op.COMMIT, Op.ABORT, Op.PIN, Op.PREFETCH})
+_TAGGED_OPS = frozenset({Op.RESERVE, Op.ABORT, Op.PIN, Op.UNPIN})
 MAX_PAGE_ID = (1 << 31) - 1
 
 
@@ -125,6 +136,13 @@ def _number(msg: dict[str, Any], name: str) -> int:
     if not 0 <= value <= MAX_WIRE_INT:
         raise WireError(ErrorCode.INVALID_ARGUMENT, f"field {name!r} must be 0-{MAX_WIRE_INT}, not {value}")
     return value
+
+
+def _tag(msg: dict[str, Any], op: Op) -> int | None:
+    """A call's tag: an optional non-negative integer below 2**63 on the ops that take one."""
+    if op not in _TAGGED_OPS or msg.get("tag") is None:
+        return None
+    return _number(msg, "tag")
 
 
 def _tname(types: tuple[type, ...]) -> str:
@@ -253,9 +271,12 @@ def decode_request(frame: bytes) -> Request:
         remote = _field(msg, "remote", (bool,), optional=True) if op is Op.LOOKUP else None
         wait = _field(msg, "wait", (bool,), optional=True) if op in (Op.LOOKUP, Op.PREFETCH) else None
         return KeysRequest(op, rid, session, _keys(msg), bool(missing_ok), bool(remote),
-                           wait is not False)
+                           wait is not False, _tag(msg, op))
     if op is Op.UNPIN:
-        return PagesRequest(op, rid, session, _pages(msg))
+        tag = _tag(msg, op)
+        if tag is not None and msg.get("pages") is None:
+            return PagesRequest(op, rid, session, (), tag, whole_call=True)
+        return PagesRequest(op, rid, session, _pages(msg), tag)
     if op is Op.PUBLISH:
         keys, as_keys = _keys(msg), _keys(msg, "as_keys")
         if len(keys) != len(as_keys):

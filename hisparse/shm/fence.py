@@ -171,6 +171,24 @@ class FenceFile:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         return True
 
+    def take_if_free(self) -> bool:
+        """Take ``LOCK_EX`` if no process holds the lock, and keep it: True when taken.
+
+        For releasing the fence: with the lock kept until ``close(unlink=True)``
+        has written RELEASED and removed the file, no process can lock it in
+        between and believe the pages it names are still held (``holder_gone``
+        lets go at once, so a probe followed by a release leaves that window).
+        A process blocked in ``flock(LOCK_SH)`` meanwhile gets the lock on the
+        removed file afterwards and reads RELEASED.
+        """
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            raise
+        return True
+
     def inode(self) -> tuple[int, int, int]:
         """(major, minor, inode) of the file, as /proc/locks names it."""
         st = os.fstat(self._fd)

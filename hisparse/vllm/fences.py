@@ -26,7 +26,7 @@ import os
 from collections import deque
 from typing import Any
 
-from hisparse.client.fence import open_locked
+from hisparse.client.fence import close_locked, open_locked
 from hisparse.errors import LeaseExpired
 
 log = logging.getLogger(__name__)
@@ -43,16 +43,20 @@ class SessionFences:
         self._held: dict[int, Session] = {}
         self._releasing: deque[list[Session]] = deque([[] for _ in range(RELEASE_DELAY_STEPS)])
 
-    def hold(self, session: Session) -> None:
-        """Take a reference on ``session``'s fence (once per session)."""
+    def hold(self, session: Session) -> bool:
+        """Take a reference on ``session``'s fence (once per session); False when it was
+        already let go. Then the daemon may have handed that session's pages to anyone
+        (a re-attach after a restart came between its reply and this hold): the caller
+        must not hand them to vLLM, and need not give them back (they went with it)."""
         fence = getattr(session, "fence", None)
         if fence is None or id(session) in self._held:
-            return
+            return True
         try:
             fence.acquire()
         except LeaseExpired:
-            return  # already let go: nothing of that session can be in use
+            return False
         self._held[id(session)] = session
+        return True
 
     def let_go(self, session: Session) -> None:
         """Drop the reference, ``RELEASE_DELAY_STEPS`` flushes from now."""
@@ -109,8 +113,5 @@ class WorkerFences:
 
     def _close(self, path: str) -> None:
         fd, mm = self._open.pop(path)
-        try:
-            mm.close()
-        finally:
-            os.close(fd)  # drops this process's lock
+        close_locked(fd, mm)  # drops this process's lock
         log.debug("worker let go of fence %s", os.path.basename(path))

@@ -248,7 +248,8 @@ class DaemonHostBlockPool(StepBatches, SharedEventQueueBlockPool):
             self._failed("pin", exc)
             return 0
         self.counters["pin_requests"] += 1
-        self._fences.hold(session)
+        if not self._fences.hold(session):
+            return 0  # its fence was let go: those pages may be anyone's now (fences.SessionFences)
         pinned = 0
         hole = False
         for (i, key), page in zip(todo, pages):

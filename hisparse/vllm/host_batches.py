@@ -135,7 +135,8 @@ class StepBatches:
             self._failed("reserve", exc)
             return 0
         self.counters["reserve_requests"] += 1
-        self._fences.hold(session)
+        if not self._fences.hold(session):
+            return 0  # its fence was let go: the reservations went with the session
         for key, slot in zip(keys, slots):
             if slot < 0:
                 continue  # placeholders are unique: cannot happen

@@ -242,8 +242,7 @@ class HiSparseOffloadingManager(OffloadingManager):
             self._counts["ALLOCATION_FAILURES"] += 1
             return None
         except DaemonUnavailable as exc:
-            # The daemon may still act on it: give back whatever it reserves, later.
-            self._syncer.submit(Job("abort_missing", session, offer, []))
+            # The daemon may still act on it: ops.reserve gives back what this call reserved.
             self._syncer.unreachable("reserve", exc)
             self._counts["ALLOCATION_FAILURES"] += 1
             return None
@@ -326,6 +325,12 @@ class HiSparseOffloadingManager(OffloadingManager):
     def reset_cache(self) -> None:
         try:
             cleared = self._ops.clear()
+        except DaemonUnavailable as exc:
+            # A reset is a barrier: the clear goes as soon as the daemon answers (after the
+            # commits queued before it, which it then drops).
+            log.warning("reset_cache: hisparsed clear failed (%s); sent again when it answers", exc)
+            self._syncer.submit(Job("clear", None, [], []))
+            cleared = 0
         except HisparseError as exc:
             log.warning("reset_cache: hisparsed clear failed (%s)", exc)
             cleared = None

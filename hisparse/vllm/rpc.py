@@ -21,6 +21,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from hisparse.client.calls import new_tag
+from hisparse.errors import LeaseExpired
 from hisparse.protocol import MAX_KEYS_PER_REQUEST, Op
 
 if TYPE_CHECKING:
@@ -48,25 +50,43 @@ class NamespaceOps:
         shorter when the region is full; the keys the daemon evicted to make room.
 
         With ``session``, on that session exactly (``LeaseExpired`` if it is gone,
-        never a re-attach): the scheduler's thread never waits for a ``hello``."""
+        never a re-attach): the scheduler's thread never waits for a ``hello``.
+        A request without its reply gives back what this call reserved, by its
+        tag, in the background (``hisparse.client.calls``): never another
+        thread's reservation of the same keys."""
         slots: list[int] = []
         evicted: list[bytes] = []
-        for chunk in _chunks(keys):
-            body, session = self._call(session, Op.RESERVE, timeout_s, keys=chunk)
-            got = [int(s) for s in body["slots"]]
-            slots.extend(got)
-            evicted.extend(body.get("evicted", ()))
-            if len(got) < len(chunk):
-                break
+        tag = new_tag()
+        try:
+            for chunk in _chunks(keys):
+                body, session = self._call(session, Op.RESERVE, timeout_s, keys=chunk, tag=tag)
+                got = [int(s) for s in body["slots"]]
+                slots.extend(got)
+                evicted.extend(body.get("evicted", ()))
+                if len(got) < len(chunk):
+                    break
+        except LeaseExpired:
+            raise
+        except BaseException:
+            # Chunks answered before are given back too: the caller learns none of them.
+            for chunk in _chunks(keys):
+                self.client.give_back(session or self.client.session, Op.ABORT, keys=chunk, tag=tag)
+            raise
         return slots, evicted, session
 
-    def commit(self, session: Session, keys: list[bytes]) -> None:
-        self._release(session, Op.COMMIT, keys)
-
-    def abort(self, session: Session, keys: list[bytes], *, missing_ok: bool = False) -> None:
-        """Drop reservations; ``missing_ok``: after a reserve whose reply never came."""
+    def commit(self, session: Session, keys: list[bytes]) -> list[bytes]:
+        """Commit reservations; returns the keys the daemon aborted instead, because a clear
+        (``reset_cache`` anywhere, ``hisparsectl clear``) came after they were reserved."""
+        cleared: list[bytes] = []
         for chunk in _chunks(keys):
-            self.client.request_in(session, Op.ABORT, keys=chunk, missing_ok=missing_ok)
+            body = self.client.request_in(session, Op.COMMIT, keys=chunk)
+            cleared.extend(body.get("cleared", ()))
+        return cleared
+
+    def abort(self, session: Session, keys: list[bytes]) -> None:
+        """Drop reservations this engine holds (after a lost reply, ``reserve`` gives back by tag)."""
+        for chunk in _chunks(keys):
+            self.client.request_in(session, Op.ABORT, keys=chunk)
 
     def publish(self, session: Session, keys: list[bytes], as_keys: list[bytes], *,
                 pin: bool) -> list[int]:
@@ -89,19 +109,27 @@ class NamespaceOps:
         ``pin`` holds a committed *prefix*; vLLM's load set is per group and
         may have a hole where a key was evicted since its lookup, so after a
         short prefix the rest is pinned again past the hole. One request when
-        everything is there; one more per hole.
+        everything is there; one more per hole. A request without its reply
+        gives back every pin of this call, by its tag, in the background.
         """
         pages: list[int] = []
         start = 0
-        while start < len(keys):
-            chunk = keys[start:start + MAX_KEYS_PER_REQUEST]
-            body, session = self._call(session, Op.PIN, timeout_s, keys=chunk)
-            got = [int(p) for p in body["pages"]]
-            pages.extend(got)
-            start += len(got)
-            if len(got) < len(chunk):
-                pages.append(-1)  # keys[start] is not committed: skip it
-                start += 1
+        tag = new_tag()
+        try:
+            while start < len(keys):
+                chunk = keys[start:start + MAX_KEYS_PER_REQUEST]
+                body, session = self._call(session, Op.PIN, timeout_s, keys=chunk, tag=tag)
+                got = [int(p) for p in body["pages"]]
+                pages.extend(got)
+                start += len(got)
+                if len(got) < len(chunk):
+                    pages.append(-1)  # keys[start] is not committed: skip it
+                    start += 1
+        except LeaseExpired:
+            raise  # the pins taken so far went with the session
+        except BaseException:
+            self.client.give_back(session or self.client.session, Op.UNPIN, tag=tag)
+            raise
         return pages, session
 
     def unpin(self, session: Session, pages: list[int]) -> None:
@@ -116,11 +144,6 @@ class NamespaceOps:
         if session is None:
             return self.client.request(op, timeout_s, **fields)
         return self.client.request_in(session, op, timeout_s, **fields), session
-
-    def _release(self, session: Session, op: Op, keys: list[bytes]) -> None:
-        """commit, abort or unpin on the session that holds the keys, chunked."""
-        for chunk in _chunks(keys):
-            self.client.request_in(session, op, keys=chunk)
 
     # -- the mirror's reads --
 

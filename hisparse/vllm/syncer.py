@@ -41,7 +41,8 @@ MIN_INTERVAL_S = 0.001
 
 @dataclass
 class Job:
-    """A daemon request queued by the scheduler's thread: ``commit``, ``abort``, ``abort_missing`` or ``unpin``."""
+    """A daemon request queued by the scheduler's thread: ``commit``, ``abort``, ``unpin``, or
+    ``clear`` (a reset whose clear got no answer: sent again, in order, until it is done)."""
 
     op: str
     session: Session
@@ -78,7 +79,7 @@ class Syncer:
     # -- from the scheduler's thread (any thread) --
 
     def submit(self, job: Job) -> None:
-        if job.keys:
+        if job.keys or job.op == "clear":
             self._jobs.append(job)
             self._wake.set()
 
@@ -200,14 +201,15 @@ class Syncer:
 
     def _run_job(self, job: Job) -> None:
         if job.op == "commit":
-            self._ops.commit(job.session, job.keys)
+            # Keys reserved before a reset (a clear) are aborted by the daemon, not published.
+            cleared = set(self._ops.commit(job.session, job.keys))
             with self._lock:
-                self._on_published(job.keys, job)
+                self._on_published([k for k in job.keys if k not in cleared], job)
         elif job.op == "abort":
             self._ops.abort(job.session, job.keys)
-        elif job.op == "abort_missing":
-            self._ops.abort(job.session, job.keys, missing_ok=True)
         elif job.op == "unpin":
             self._ops.unpin(job.session, job.pages)
+        elif job.op == "clear":  # a reset_cache the daemon did not answer at the time
+            self._ops.clear()
         else:
             raise AssertionError(job.op)

@@ -111,7 +111,8 @@ class Writes:
 
     def reset(self) -> tuple[list[tuple[Session, list[bytes]]], list[Any]]:
         """``reset_cache``: (reservations to abort, fences to release) once the flushed jobs are
-        done; commits already under way stay."""
+        done. Commits already queued stay until their job is done: the daemon's clear made
+        their reservations uncommittable, so they come back as cleared, never published."""
         aborts = self.by_session(list(self._held))
         fences = [r.session.fence for r in self._held.values() if r.fenced and not r.committing]
         self._held = {k: r for k, r in self._held.items() if r.committing}

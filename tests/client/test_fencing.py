@@ -42,8 +42,13 @@ class Actor:
                "--layout", f"{LAYOUT.num_layers},{LAYOUT.block_tokens},{LAYOUT.row_bytes}"]
         for name, value in opts.items():
             cmd += [f"--{name}", str(value)]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+
+    def say(self, line: str = "go") -> None:
+        """One line on the actor's stdin (the roles that wait for one)."""
+        self.proc.stdin.write(line + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
 
     def until(self, at: str, timeout_s: float = 60) -> dict[str, Any]:
         """The next line whose ``at`` is ``at`` (a stalled process has printed it last)."""
@@ -376,7 +381,7 @@ def test_a_stalled_session_shows_in_stats_and_evict_session_reclaims_it(daemon_f
     assert ns_stats(d.socket)["fenced_pages"] == 0 and ns_stats(d.socket)["free_pages"] == 8
 
 
-# -- the soak: stalls at random moments, churn, daemon SIGKILLs; never a wrong byte, no leak --
+# -- the soak: stalls, forks, thread timeouts, resets and daemon SIGKILLs; never a wrong byte --
 
 @pytest.mark.slow
 def test_soak_random_stalls_and_restarts_never_leak_or_corrupt(daemon_factory, actors, tmp_path):
@@ -385,28 +390,43 @@ def test_soak_random_stalls_and_restarts_never_leak_or_corrupt(daemon_factory, a
     rng = random.Random(9)
     d = daemon_factory(lease_ttl=1.0)
     until = str(tmp_path / "until")
-    common = {"capacity_pages": 24, "until": until, "timeout": 15}
+    common = {"capacity_pages": 48, "until": until, "timeout": 15}
     writer = actors(d.socket, "soak-writer", seed="soak", count=4, **common)
     reader = actors(d.socket, "soak-reader", seed="soak", count=4, **common)
     churn = actors(d.socket, "soak-churn", count=3, **common)
-    for a in (writer, reader, churn):
+    # two threads of one client on the same chains, with a timeout the daemon's stalls run past
+    threads = actors(d.socket, "soak-threads", seed="soak", count=4, **{**common, "timeout": 0.5})
+    forker = actors(d.socket, "soak-forker", seed="soak", count=4, **common)
+    everyone = {"writer": writer, "reader": reader, "churn": churn, "threads": threads,
+                "forker": forker}
+    for a in everyone.values():
         a.until("attached")
     for round_ in range(20):
-        stalled = (writer, reader)[round_ % 2]
         time.sleep(rng.uniform(0.0, 0.3))  # a random moment: mid-copy, mid-read or between
+        if round_ % 5 == 2:  # the daemon stalls past the threads' timeout, then a reset
+            os.kill(d.pid, signal.SIGSTOP)
+            time.sleep(rng.uniform(0.8, 1.2))
+            os.kill(d.pid, signal.SIGCONT)
+            admin = RawClient(d.socket)  # a new session: the stall outlived any lease
+            admin.hello()
+            admin.call(Op.CLEAR, token=d.token, namespace=NS)
+            admin.close()
+            continue
+        stalled = (writer, reader, forker)[round_ % 3]
         os.kill(stalled.proc.pid, signal.SIGSTOP)
         if round_ % 5 == 4:
             d.restart(kill=True)  # and the daemon dies while it is stopped
         time.sleep(rng.uniform(1.3, 1.8))  # past the 1 s lease
         stalled.resume()
     open(until, "w").close()
-    results = {name: a.until("done") for name, a in
-               (("writer", writer), ("reader", reader), ("churn", churn))}
-    for a in (writer, reader, churn):
+    results = {name: a.until("done") for name, a in everyone.items()}
+    for a in everyone.values():
         assert a.proc.wait(30) == 0
     print("soak results", results)
     assert all(r["bad"] == 0 for r in results.values()), results
     assert results["reader"]["reads"] > 0 and results["writer"]["rounds"] > 0, results
+    assert results["forker"]["forks"] > 0 and results["threads"]["rounds"] > 0, results
+    assert results["threads"]["errors"] > 0, "no call of the threads ever timed out: nothing tested"
     assert committed_pages_are_their_keys(d.socket) == [], "a torn or foreign page was committed"
     # every process is gone: every page is committed or free again, nothing held, nothing fenced
     def settled() -> bool:
