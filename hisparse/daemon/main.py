@@ -1,7 +1,9 @@
 """``hisparsed``: the node daemon's entry point.
 
-Start-up order: config -> lock the metadata directory -> adopt (or, with
-``--fresh``, remove) regions an earlier run left -> bind the socket ->
+Start-up order: config -> lock the metadata directory -> lock the region
+directory it names (``regiondir``) -> adopt (or, with ``--fresh``, remove)
+regions an earlier run left -> remove region directories provably ours and
+unused -> bind the socket ->
 write the admin token -> serve. READY=1 goes to systemd only once a real
 ping over the bound socket has been answered by the running loop.
 """
@@ -22,7 +24,7 @@ import zmq.asyncio
 
 from hisparse import protocol
 from hisparse.daemon import config as config_mod
-from hisparse.daemon import notify, trust
+from hisparse.daemon import notify, regiondir, trust
 from hisparse.daemon.access import AccessControl, give_to_group
 from hisparse.daemon.handlers import DaemonContext
 from hisparse.daemon.namespaces import Registry
@@ -61,7 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--metrics-address", metavar="PATH|HOST:PORT",
                    help="Prometheus endpoint: a unix socket path or HOST:PORT; \"\" turns it off "
                    "(default: hisparsed.metrics.sock beside the socket)")
-    p.add_argument("--fresh", action="store_true", help="drop every region an earlier run left")
+    p.add_argument("--fresh", action="store_true", help="drop every region and table this daemon's meta dir names "
+                   "(never another daemon's)")
     return p.parse_args(argv)
 
 
@@ -185,8 +188,10 @@ def run(cfg: config_mod.Config) -> int:
     lock_fd = _lock_state_dir(cfg)
     os.makedirs(cfg.shm_dir, exist_ok=True)
     trust.shared_dir(cfg.shm_dir, "shm_dir")
-    registry = Registry(cfg)
+    regions = regiondir.open_region_dir(cfg.shm_dir, cfg.metadata_dir)
+    registry = Registry(cfg, regions.path)
     registry.adopt_all()
+    regiondir.reclaim_orphans(cfg.shm_dir, cfg.metadata_dir, regions)
     _warn_free_shm(cfg, registry)
     _prepare_socket(cfg.socket)
     access = AccessControl(cfg)
@@ -234,6 +239,7 @@ def run(cfg: config_mod.Config) -> int:
             trust.unlink_own(path)
         for name in access.keys:
             trust.unlink_own(access_key_path(cfg.socket, name))
+        regions.close()
         os.close(lock_fd)
         log.info("stopped (%s): %d namespaces flushed", reason, len(registry.namespaces))
     return 0
