@@ -280,13 +280,20 @@ class ClusterTier:
             if space.held.pop(key, None) is not None:
                 index.commit(key, page)
 
-    def _on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn`` on the event loop and wait for its result (worker thread only)."""
+    def _on_loop(self, fn: Callable[..., Any], *args: Any, undo: bool = False) -> Any:
+        """Run ``fn`` on the event loop and wait for its result (worker thread only).
+
+        Given up on (``LOOP_CALL_TIMEOUT_S``: a stalled loop), a call is cancelled and never
+        runs late, leaving no hold or reservation that nobody ends; one already running is
+        waited for. ``undo`` calls (settling pages) are never cancelled: late, they still undo.
+        """
         loop = self._loop
         assert loop is not None
         fut: Future = Future()
 
         def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return  # the worker gave up on it before it ran
             try:
                 fut.set_result(fn(*args))
             except BaseException as exc:  # handed back to the worker
@@ -297,8 +304,11 @@ class ClusterTier:
             try:
                 return fut.result(timeout=0.1)
             except TimeoutError:
-                if self._stopping or time.monotonic() > deadline:
-                    raise ClusterDown("the daemon's loop did not answer (stopping)") from None
+                if not self._stopping and time.monotonic() <= deadline:
+                    continue
+                if undo or fut.cancel():
+                    raise ClusterDown("the daemon's loop did not answer (stopping or stalled)") from None
+                deadline = time.monotonic() + LOOP_CALL_TIMEOUT_S  # running now: it ends in moments
 
     # -- the worker thread --
 
