@@ -29,6 +29,7 @@ loop (``_on_loop``), so the index stays single-threaded.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from hisparse.cluster import format as fmt
-from hisparse.daemon import cluster_io
+from hisparse.daemon import cluster_drop, cluster_io
 from hisparse.daemon.cluster_io import ClusterDown, Space
 from hisparse.daemon.config import ClusterConfig
 from hisparse.daemon.namespaces import Namespace
@@ -75,6 +76,7 @@ class ClusterTier:
         self._queue: deque[tuple[Space, bytes, int]] = deque()
         self._down_until = 0.0
         self._queue_paused_until = 0.0  # write-behind waits after a failed put
+        self._forget: deque[Space] = deque()  # dropped namespaces' spaces: unmapped between jobs
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -281,12 +283,9 @@ class ClusterTier:
                 index.commit(key, page)
 
     def _on_loop(self, fn: Callable[..., Any], *args: Any, undo: bool = False) -> Any:
-        """Run ``fn`` on the event loop and wait for its result (worker thread only).
-
-        Given up on (``LOOP_CALL_TIMEOUT_S``: a stalled loop), a call is cancelled and never
-        runs late, leaving no hold or reservation that nobody ends; one already running is
-        waited for. ``undo`` calls (settling pages) are never cancelled: late, they still undo.
-        """
+        """Run ``fn`` on the loop and wait for it (worker thread). Given up on (``LOOP_CALL_TIMEOUT_S``:
+        a stalled loop), a call is cancelled and never runs late; one already running is waited for.
+        ``undo`` calls (settling pages) are never cancelled: run late, they still undo."""
         loop = self._loop
         assert loop is not None
         fut: Future = Future()
@@ -319,7 +318,9 @@ class ClusterTier:
                 job: Callable[[], None] | None = None
                 while job is None and not self._stopping:
                     now = time.monotonic()
-                    if self._backend is None and now < self._down_until:
+                    if self._forget:  # first, and whether the cluster is up or not: memory back
+                        job = functools.partial(cluster_drop.forget, self, self._forget.popleft())
+                    elif self._backend is None and now < self._down_until:
                         self._cond.wait(self._down_until - now)
                     elif self._backend is None:
                         job = io.connect

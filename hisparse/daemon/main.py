@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import fcntl
 import logging
 import os
@@ -212,6 +213,9 @@ def run(cfg: config_mod.Config) -> int:
     ctx = DaemonContext(cfg, registry, sessions, admin_token="", fence_dir=fence_dir, access=access)
     if cfg.cluster.enabled:
         ctx.cluster = _cluster_tier(cfg.cluster)
+        from hisparse.daemon import cluster_drop
+
+        registry.on_drop = functools.partial(cluster_drop.dropped, ctx.cluster)
     endpoint = endpoint_for(cfg.socket)
     server = Server(ctx, endpoint)
     server.bind()

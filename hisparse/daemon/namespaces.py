@@ -105,6 +105,8 @@ class Registry:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         # The group a namespace's region file is given (access.AccessControl.gid_for).
         self.gid_for: Callable[[str], int | None] = lambda namespace: None
+        # Told of each dropped namespace (the cluster tier lets go of its mapping).
+        self.on_drop: Callable[[Namespace], None] = lambda ns: None
 
     @property
     def allocated_bytes(self) -> int:
@@ -281,6 +283,7 @@ class Registry:
         ns.table.close()
         trust.unlink_own(ns.table.path)
         trust.unlink_own(ns.region_path)
+        self.on_drop(ns)
         log.info("dropped namespace %r: %s back to the capacity", name, format_size(ns.cost_bytes))
         return ns
 
