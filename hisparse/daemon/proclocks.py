@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 PROC = "/proc"
 PROC_LOCKS = "/proc/locks"
-CACHE_S = 1.0  # hisparsectl top asks every refresh: one scan per second at most
+CACHE_S = 1.0  # one scan a second at most, whoever asks for stats
 
 Inode = tuple[int, int, int]  # (major, minor, inode), as /proc/locks names a file
 
@@ -79,19 +80,48 @@ def _parse(line: str) -> tuple[Inode, int] | None:
 
 
 class FenceHolders:
-    """Who really holds each fence: a cached scan of ``/proc`` (see the module docstring)."""
+    """Who really holds each fence: a scan of ``/proc`` (module docstring), off the event loop.
+
+    A scan reads a descriptor of every process (tens of ms for a hundred
+    processes, far more on a busy node), so it runs on a thread of its own,
+    at most once a second, and ``of`` never waits for it: it answers from the
+    last scan, and for a fence no scan has covered yet, with the lockers
+    ``/proc/locks`` names.
+    """
 
     def __init__(self, proc: str = PROC) -> None:
         self._proc = proc
-        self._cached: tuple[float, dict[Inode, Holders]] | None = None
+        self._lock = threading.Lock()
+        self._result: dict[Inode, Holders] = {}
+        self._scanned_s = -CACHE_S
+        self._scanning = False
 
     def of(self, inodes: set[Inode]) -> dict[Inode, Holders]:
-        now = time.monotonic()
-        if self._cached is not None and now - self._cached[0] < CACHE_S and inodes <= self._cached[1].keys():
-            return self._cached[1]
-        found = scan(inodes, self._proc)
-        self._cached = (now, found)
-        return found
+        with self._lock:
+            stale = time.monotonic() - self._scanned_s >= CACHE_S or not inodes <= self._result.keys()
+            if stale and not self._scanning:
+                self._scanning = True
+                threading.Thread(target=self._scan, args=(set(inodes),), name="hisparse-fence-holders",
+                                 daemon=True).start()
+            result = dict(self._result)
+        missing = inodes - result.keys()
+        if missing:
+            for inode, pids in lock_holders(os.path.join(self._proc, "locks")).items():
+                if inode in missing:
+                    result[inode] = Holders(pids=sorted(pids))
+        return result
+
+    def _scan(self, inodes: set[Inode]) -> None:
+        try:
+            found = scan(inodes, self._proc)
+        except Exception:  # the stats view must not take the daemon down
+            log.warning("scanning /proc for fence holders failed", exc_info=True)
+            found = None
+        with self._lock:
+            if found is not None:
+                self._result = found
+                self._scanned_s = time.monotonic()
+            self._scanning = False
 
 
 def scan(inodes: set[Inode], proc: str = PROC) -> dict[Inode, Holders]:
