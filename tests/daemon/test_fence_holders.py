@@ -7,13 +7,14 @@ finds the holders in /proc/<pid>/fdinfo (see hisparse.daemon.proclocks).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 
+from hisparse.ctl import Control
+from hisparse.protocol import Op
 from tests.waiting import wait_for
 
 ENGINE = textwrap.dedent("""
@@ -34,9 +35,12 @@ ENGINE = textwrap.dedent("""
 
 
 def sessions(socket: str) -> list[dict]:
-    r = subprocess.run([sys.executable, "-m", "hisparse.ctl", "--socket", socket, "stats", "--json"],
-                       capture_output=True, text=True, check=True, timeout=30)
-    return [s for s in json.loads(r.stdout)["sessions"] if s["namespace"] == "ns"]
+    """The session rows hisparsectl stats --json shows (its own client, in this process)."""
+    ctl = Control(socket)
+    try:
+        return [s for s in ctl.call(Op.STATS)["sessions"] if s["namespace"] == "ns"]
+    finally:
+        ctl.close()
 
 
 def test_a_forked_helper_that_outlives_its_engine_is_named_as_the_holder(daemon_factory):
