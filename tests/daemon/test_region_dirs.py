@@ -141,3 +141,28 @@ def test_tables_of_the_earlier_layout_are_adopted_and_their_regions_moved_in(dae
     d.restart("--fresh")
     assert os.path.exists(foreign), "a file no table of ours names is never ours to remove"
     assert "start with --fresh" not in d.log()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's directory needs root (chown); CI runs as root")
+def test_planted_region_directories_are_refused_or_left_alone(daemon_factory):
+    d = daemon_factory(capacity="64MiB")
+    store(d, "ns", "x")
+    d.stop()
+    os.chmod(d.shm_dir, 0o1777)  # shared, as /dev/shm is
+    # another user's directories under names the daemon uses: one a link to the daemon's meta dir
+    link = os.path.join(d.shm_dir, "hisparsed-00000000000000aa")
+    os.symlink(meta_of(d), link)
+    foreign = os.path.join(d.shm_dir, "hisparsed-00000000000000bb")
+    os.mkdir(foreign, 0o700)
+    os.chown(foreign, 4242, 4242)
+    d.start()
+    assert os.path.islink(link) and os.path.isdir(foreign) and os.path.isdir(meta_of(d))
+    assert read_back(d, "ns", "x") == PAGES
+    d.stop()
+    # its own directory replaced by another user's: refused at start, saying which and why
+    mine = region_dir_of(d)
+    shutil.rmtree(mine)
+    os.mkdir(mine, 0o750)
+    os.chown(mine, 4242, 4242)
+    with pytest.raises(RuntimeError, match="owned by uid 4242"):
+        d.start()
