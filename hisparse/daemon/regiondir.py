@@ -89,9 +89,11 @@ def open_region_dir(shm_dir: str, meta_dir: str) -> RegionDir:
         trust.write_private_file(os.path.join(meta_dir, ID_FILE), name + "\n")
         log.info("region directory of this meta dir: %s", os.path.join(shm_dir, name))
     path = os.path.join(shm_dir, name)
-    if not os.path.lexists(path):
+    try:
         os.mkdir(path, REGION_DIR_MODE)
         os.chmod(path, REGION_DIR_MODE)  # the umask must not narrow what engines may traverse
+    except FileExistsError:
+        pass  # ours from an earlier run, or planted: the check below tells
     trust.private_dir(path, f"region directory (named by {meta_dir}/{ID_FILE})", create=False)
     lock_fd = _open_lock(path)
     try:
