@@ -97,6 +97,8 @@ class ClusterTier:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=LOOP_CALL_TIMEOUT_S)
+            if self._thread.is_alive():  # mid-get: its pages stay WRITING and mapped until we exit
+                return
         if self._getter is not None:
             self._getter.shutdown(wait=False)
         for space in self._spaces.values():
@@ -283,9 +285,8 @@ class ClusterTier:
                 index.commit(key, page)
 
     def _on_loop(self, fn: Callable[..., Any], *args: Any, undo: bool = False) -> Any:
-        """Run ``fn`` on the loop and wait for it (worker thread). Given up on (``LOOP_CALL_TIMEOUT_S``:
-        a stalled loop), a call is cancelled and never runs late; one already running is waited for.
-        ``undo`` calls (settling pages) are never cancelled: run late, they still undo."""
+        """Run ``fn`` on the loop and wait for it (worker thread). Given up on (``LOOP_CALL_TIMEOUT_S``), a call
+        is cancelled, never run late; one running is waited for; ``undo`` calls are never cancelled."""
         loop = self._loop
         assert loop is not None
         fut: Future = Future()

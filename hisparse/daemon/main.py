@@ -243,8 +243,9 @@ def run(cfg: config_mod.Config) -> int:
             trust.unlink_own(path)
         for name in access.keys:
             trust.unlink_own(access_key_path(cfg.socket, name))
-        regions.close()
-        os.close(lock_fd)
+        # The meta dir's and region dir's locks (lock_fd, regions) go with the process, not before:
+        # a cluster get still in flight may write its pages until then, and a successor adopts
+        # (and frees WRITING pages) only once nothing here can write one.
         log.info("stopped (%s): %d namespaces flushed", reason, len(registry.namespaces))
     return 0
 

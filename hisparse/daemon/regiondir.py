@@ -65,16 +65,11 @@ def _owner_name(meta_dir: str) -> str | None:
 
 
 class RegionDir:
-    """This daemon's region directory, locked for as long as the daemon runs."""
+    """This daemon's region directory, locked until the daemon's process exits."""
 
     def __init__(self, path: str, lock_fd: int) -> None:
         self.path = path
-        self._lock_fd = lock_fd
-
-    def close(self) -> None:
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self.lock_fd = lock_fd
 
 
 def open_region_dir(shm_dir: str, meta_dir: str) -> RegionDir:

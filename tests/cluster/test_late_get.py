@@ -16,6 +16,7 @@ buffer) gets from it; the TCP timeouts are 2 s instead of 30 s.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import signal
 import subprocess
@@ -120,3 +121,32 @@ def test_a_timed_out_direct_get_never_lands_in_a_reused_page(master, peer, tmp_p
         tier.stop()
         registry.close()
     assert after == [page.tobytes() for page in mine], "a late get wrote into a reused page"
+
+
+def test_a_daemon_stopped_mid_get_keeps_its_meta_dir_until_it_exits(master, peer, daemon_factory):
+    """SIGTERM while a get is in flight: the worker outlives the stop, and may still copy the
+    value into its pages; no successor may adopt (and hand out) those pages before this
+    process is gone, so the meta dir's lock goes with the process, not with the stop."""
+    from hisparse import client
+    from tests.cluster.conftest import cluster_env, cluster_state, wait_for
+
+    d = daemon_factory(capacity="128MiB", lease_ttl=5, env={
+        **cluster_env(master), "MC_TCP_PROGRESS_TIMEOUT_SEC": "16", "MC_TCP_STATUS_TIMEOUT_SEC": "16"})
+    wait_for("the cluster tier up", lambda: cluster_state(d.socket) == "up")
+    with client.attach("m", LAYOUT, socket=d.socket, capacity="1MiB") as c:
+        os.kill(peer.pid, signal.SIGSTOP)
+        c.prefetch(keys_for("late-get", 4), wait=False)
+        wait_for("the tier's get under way", lambda: c.stats()["namespaces"]["m"]["writing_pages"] == 4)
+    d.proc.send_signal(signal.SIGTERM)
+    wait_for("the daemon's stop (its worker still in the get)", lambda: "stopped (" in d.log())
+    lock = os.open(os.path.join(os.path.dirname(d.socket), "meta", "hisparsed.lock"), os.O_RDWR)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:  # free: then the process must be all but gone, not copying for seconds more
+            d.proc.wait(2)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the meta dir's lock was free while the stopped daemon ran on, its get in flight")
+    except BlockingIOError:
+        d.proc.wait(60)  # held until the process exits
+    finally:
+        os.close(lock)
