@@ -10,7 +10,7 @@ docs/fencing.md).
 
 The peer holding the values is a real Mooncake client in another process,
 SIGSTOPped while the daemon's tier (in this process, direct path: no staging
-buffer) gets from it; the TCP timeouts are 2 s instead of 30 s.
+buffer) gets from it; the TCP timeouts are 1 s instead of 30 s.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def peer(master):
 
 
 def test_a_timed_out_direct_get_never_lands_in_a_reused_page(master, peer, tmp_path, monkeypatch):
-    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "2")
-    monkeypatch.setenv("MC_TCP_STATUS_TIMEOUT_SEC", "2")
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "1")
+    monkeypatch.setenv("MC_TCP_STATUS_TIMEOUT_SEC", "1")
     monkeypatch.setattr(cluster_io, "STAGE_BYTES", 0)  # every get direct, as over RDMA
     (tmp_path / "shm").mkdir()
     (tmp_path / "run" / "meta").mkdir(parents=True)
@@ -108,11 +108,11 @@ def test_a_timed_out_direct_get_never_lands_in_a_reused_page(master, peer, tmp_p
             ns.index.commit(key, page)
         os.kill(peer.pid, signal.SIGCONT)  # its late reply to the stalled get goes out now
         # the peer runs again; its transfer engine answered the stalled request within a
-        # millisecond of SIGCONT when measured (its write failed: "broken pipe"); 1 s is ample
+        # millisecond of SIGCONT when measured (its write failed: "broken pipe"); 0.5 s is ample
         peer.stdin.write("ping\n")
         peer.stdin.flush()
         assert await asyncio.to_thread(peer.stdout.readline) == "ping\n"
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.5)
         return [region[:, page, :].tobytes() for page in held.values()]
 
     try:
@@ -131,7 +131,7 @@ def test_a_daemon_stopped_mid_get_keeps_its_meta_dir_until_it_exits(master, peer
     from tests.cluster.conftest import cluster_env, cluster_state, wait_for
 
     d = daemon_factory(capacity="128MiB", lease_ttl=5, env={
-        **cluster_env(master), "MC_TCP_PROGRESS_TIMEOUT_SEC": "16", "MC_TCP_STATUS_TIMEOUT_SEC": "16"})
+        **cluster_env(master), "MC_TCP_PROGRESS_TIMEOUT_SEC": "14", "MC_TCP_STATUS_TIMEOUT_SEC": "14"})
     wait_for("the cluster tier up", lambda: cluster_state(d.socket) == "up")
     with client.attach("m", LAYOUT, socket=d.socket, capacity="1MiB") as c:
         os.kill(peer.pid, signal.SIGSTOP)
