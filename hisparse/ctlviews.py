@@ -88,7 +88,8 @@ def format_sessions(stats: dict[str, Any]) -> str:
     header = ("session", "namespace", "client", "state", "pids", "age", "idle", "reserved", "pinned",
               "fenced")
     rows = [(s["handle"], s["namespace"], s["client"] or "anonymous", s["state"],
-             ",".join(str(p) for p in s["pids"]) or "-", format_duration(s["age_s"]),
+             ",".join([str(p) for p in s["pids"]] + [f"{p}?" for p in s.get("pids_unverified", [])]) or "-",
+             format_duration(s["age_s"]),
              format_duration(s["idle_s"]), str(s["reserved_pages"]), str(s["pinned_pages"]),
              str(s["fenced_pages"]))
             for s in sorted(stats.get("sessions", []), key=lambda s: (s["namespace"], s["state"], -s["age_s"]))]

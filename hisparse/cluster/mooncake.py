@@ -97,6 +97,15 @@ class MooncakeBackend:
             raise ClusterUnavailableError(f"register_buffer of {size_bytes} B returned {rc}")
         self.registered.add((address, size_bytes))
 
+    def unregister(self, address: int, size_bytes: int) -> None:
+        """Forget memory registered with ``register`` (a dropped namespace's region)."""
+        if (address, size_bytes) not in self.registered:
+            return
+        self.registered.discard((address, size_bytes))
+        rc = self._store.unregister_buffer(address)
+        if rc != 0:
+            raise ClusterUnavailableError(f"unregister_buffer of {size_bytes} B returned {rc}")
+
     def put(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
         """0 per stored key, a negative Mooncake error code otherwise."""
         return list(self._store.batch_put_from_multi_buffers(keys, ptrs, sizes, self._replicate))

@@ -29,6 +29,7 @@ loop (``_on_loop``), so the index stays single-threaded.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from hisparse.cluster import format as fmt
-from hisparse.daemon import cluster_io
+from hisparse.daemon import cluster_drop, cluster_io
 from hisparse.daemon.cluster_io import ClusterDown, Space
 from hisparse.daemon.config import ClusterConfig
 from hisparse.daemon.namespaces import Namespace
@@ -75,6 +76,7 @@ class ClusterTier:
         self._queue: deque[tuple[Space, bytes, int]] = deque()
         self._down_until = 0.0
         self._queue_paused_until = 0.0  # write-behind waits after a failed put
+        self._forget: deque[Space] = deque()  # dropped namespaces' spaces: unmapped between jobs
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -95,6 +97,8 @@ class ClusterTier:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=LOOP_CALL_TIMEOUT_S)
+            if self._thread.is_alive():  # mid-get: its pages stay WRITING and mapped until we exit
+                return
         if self._getter is not None:
             self._getter.shutdown(wait=False)
         for space in self._spaces.values():
@@ -280,13 +284,16 @@ class ClusterTier:
             if space.held.pop(key, None) is not None:
                 index.commit(key, page)
 
-    def _on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn`` on the event loop and wait for its result (worker thread only)."""
+    def _on_loop(self, fn: Callable[..., Any], *args: Any, undo: bool = False) -> Any:
+        """Run ``fn`` on the loop and wait for it (worker thread). Given up on (``LOOP_CALL_TIMEOUT_S``), a call
+        is cancelled, never run late; one running is waited for; ``undo`` calls are never cancelled."""
         loop = self._loop
         assert loop is not None
         fut: Future = Future()
 
         def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return  # the worker gave up on it before it ran
             try:
                 fut.set_result(fn(*args))
             except BaseException as exc:  # handed back to the worker
@@ -297,8 +304,11 @@ class ClusterTier:
             try:
                 return fut.result(timeout=0.1)
             except TimeoutError:
-                if self._stopping or time.monotonic() > deadline:
-                    raise ClusterDown("the daemon's loop did not answer (stopping)") from None
+                if not self._stopping and time.monotonic() <= deadline:
+                    continue
+                if undo or fut.cancel():
+                    raise ClusterDown("the daemon's loop did not answer (stopping or stalled)") from None
+                deadline = time.monotonic() + LOOP_CALL_TIMEOUT_S  # running now: it ends in moments
 
     # -- the worker thread --
 
@@ -309,7 +319,9 @@ class ClusterTier:
                 job: Callable[[], None] | None = None
                 while job is None and not self._stopping:
                     now = time.monotonic()
-                    if self._backend is None and now < self._down_until:
+                    if self._forget:  # first, and whether the cluster is up or not: memory back
+                        job = functools.partial(cluster_drop.forget, self, self._forget.popleft())
+                    elif self._backend is None and now < self._down_until:
                         self._cond.wait(self._down_until - now)
                     elif self._backend is None:
                         job = io.connect

@@ -92,7 +92,11 @@ class Worker:
 
     def put(self, batch: list[tuple[Space, bytes, int]]) -> None:
         tier = self.tier
-        held = tier._on_loop(tier._hold, batch)
+        try:
+            held = tier._on_loop(tier._hold, batch)
+        except ClusterDown:  # never held (the call is cancelled): the batch goes back to the queue
+            _requeue(tier, [(space, key, page, 0) for space, key, page in batch])
+            raise
         codes: list[int] = []
         try:
             keys, ptrs, sizes = [], [], []
@@ -213,7 +217,7 @@ def _fetch(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], body:
             except Exception:
                 pass
             rest = [pair for sub in subs[finishing + 1:] for pair in sub]
-            tier._on_loop(tier._settle, space, [], rest)
+            tier._on_loop(tier._settle, space, [], rest, undo=True)
 
 
 def _get_staged(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], stage: np.ndarray,
@@ -253,7 +257,7 @@ def _fetch_staged(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]]
                 good.append((key, page))
         _count_failed(tier, space, mine, got, verdicts, body)
     finally:
-        tier._on_loop(tier._settle, space, good, [pair for pair in mine if pair not in good])
+        tier._on_loop(tier._settle, space, good, [pair for pair in mine if pair not in good], undo=True)
     _count_promoted(tier, body, len(good), page_bytes)
 
 
@@ -281,7 +285,7 @@ def _fetch_direct(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]]
                 good.append((key, page))
         _count_failed(tier, space, mine, got, verdicts, body)
     finally:
-        tier._on_loop(tier._settle, space, good, [pair for pair in mine if pair not in good])
+        tier._on_loop(tier._settle, space, good, [pair for pair in mine if pair not in good], undo=True)
     _count_promoted(tier, body, len(good), page_bytes)
 
 

@@ -26,7 +26,7 @@ from hisparse.daemon.governance import check_pin_quota, handle_drop, reserve_roo
 from hisparse.daemon.namespaces import Namespace, Registry
 from hisparse.daemon.opstats import OpStats
 from hisparse.daemon.sessions import PinHold, Session, SessionTable, Zombie
-from hisparse.daemon.proclocks import lock_holders
+from hisparse.daemon.sessionrows import session_rows
 from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch
 from hisparse.shm.fence import FENCE_DIR_MODE, fence_dir_for
 from hisparse.protocol import (
@@ -423,30 +423,8 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
     daemon["cluster"] = ctx.cluster.stats() if ctx.cluster is not None else {"backend": "none"}
     body: dict[str, Any] = {"daemon": daemon, "namespaces": namespaces}
     if session is not None and session.namespace is None:  # hisparsectl: who holds what, stalled ones included
-        body["sessions"] = [row for row in _session_rows(ctx) if row["namespace"] in namespaces]
+        body["sessions"] = [row for row in session_rows(ctx) if row["namespace"] in namespaces]
     return body
-
-
-def _session_rows(ctx: DaemonContext) -> list[dict[str, Any]]:
-    now_s, now_unix = time.monotonic(), time.time()
-    holders = lock_holders()
-    rows: list[dict[str, Any]] = []
-    for s in ctx.sessions.sessions.values():
-        if s.namespace is None or s.fence is None:
-            continue
-        rows.append({"handle": s.handle, "namespace": s.namespace.name, "client": s.client,
-                     "state": "live", "pids": holders.get(s.fence.inode(), []),
-                     "age_s": now_s - s.opened_s, "idle_s": now_s - s.last_seen_s,
-                     "reserved_pages": len(s.reservations), "pinned_pages": s.pinned_pages,
-                     "fenced_pages": 0})
-    for z in ctx.sessions.zombies.values():
-        rows.append({"handle": z.handle, "namespace": z.namespace.name, "client": z.client,
-                     "state": "fenced", "reason": z.reason,
-                     "pids": holders.get(z.fence.inode(), []),
-                     "age_s": max(0.0, now_unix - z.opened_unix_s), "idle_s": now_s - z.ended_s,
-                     "reserved_pages": 0, "pinned_pages": len(z.pins),
-                     "fenced_pages": len(z.fenced_pages)})
-    return rows
 
 
 def handle_events(ctx: DaemonContext, session: Session, req: EventsRequest) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """``hisparsed``: the node daemon's entry point.
 
-Start-up order: config -> lock the metadata directory -> adopt (or, with
-``--fresh``, remove) regions an earlier run left -> bind the socket ->
+Start-up order: config -> lock the metadata directory -> lock the region
+directory it names (``regiondir``) -> adopt (or, with ``--fresh``, remove)
+regions an earlier run left -> remove region directories provably ours and
+unused -> bind the socket ->
 write the admin token -> serve. READY=1 goes to systemd only once a real
 ping over the bound socket has been answered by the running loop.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import fcntl
 import logging
 import os
@@ -22,7 +25,7 @@ import zmq.asyncio
 
 from hisparse import pipes, protocol
 from hisparse.daemon import config as config_mod
-from hisparse.daemon import notify, trust
+from hisparse.daemon import notify, regiondir, trust
 from hisparse.daemon.access import AccessControl, give_to_group
 from hisparse.daemon.handlers import DaemonContext
 from hisparse.daemon.namespaces import Registry
@@ -61,7 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--metrics-address", metavar="PATH|HOST:PORT",
                    help="Prometheus endpoint: a unix socket path or HOST:PORT; \"\" turns it off "
                    "(default: hisparsed.metrics.sock beside the socket)")
-    p.add_argument("--fresh", action="store_true", help="drop every region an earlier run left")
+    p.add_argument("--fresh", action="store_true", help="drop every region and table this daemon's meta dir names "
+                   "(never another daemon's)")
     return p.parse_args(argv)
 
 
@@ -198,8 +202,10 @@ def run(cfg: config_mod.Config) -> int:
     lock_fd = _lock_state_dir(cfg)
     os.makedirs(cfg.shm_dir, exist_ok=True)
     trust.shared_dir(cfg.shm_dir, "shm_dir")
-    registry = Registry(cfg)
+    regions = regiondir.open_region_dir(cfg.shm_dir, cfg.metadata_dir)
+    registry = Registry(cfg, regions.path)
     registry.adopt_all()
+    regiondir.reclaim_orphans(cfg.shm_dir, cfg.metadata_dir, regions)
     _warn_free_shm(cfg, registry)
     _prepare_socket(cfg.socket)
     access = AccessControl(cfg)
@@ -220,6 +226,9 @@ def run(cfg: config_mod.Config) -> int:
     ctx = DaemonContext(cfg, registry, sessions, admin_token="", fence_dir=fence_dir, access=access)
     if cfg.cluster.enabled:
         ctx.cluster = _cluster_tier(cfg.cluster)
+        from hisparse.daemon import cluster_drop
+
+        registry.on_drop = functools.partial(cluster_drop.dropped, ctx.cluster)
     endpoint = endpoint_for(cfg.socket)
     server = Server(ctx, endpoint)
     server.bind()
@@ -247,7 +256,9 @@ def run(cfg: config_mod.Config) -> int:
             trust.unlink_own(path)
         for name in access.keys:
             trust.unlink_own(access_key_path(cfg.socket, name))
-        os.close(lock_fd)
+        # The meta dir's and region dir's locks (lock_fd, regions) go with the process, not before:
+        # a cluster get still in flight may write its pages until then, and a successor adopts
+        # (and frees WRITING pages) only once nothing here can write one.
         log.info("stopped (%s): %d namespaces flushed", reason, len(registry.namespaces))
     return 0
 

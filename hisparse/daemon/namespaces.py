@@ -1,7 +1,8 @@
 """Namespaces and their regions: creation, sizing, charging, dropping, adoption.
 
 Each namespace owns one region file (``hisparse-<tag>-<id>.region``, mode
-0660, in ``shm_dir``) and one metadata table (``hisparse-<tag>.meta``, mode
+0660, in the daemon's own region directory under ``shm_dir``: ``regiondir``)
+and one metadata table (``hisparse-<tag>.meta``, mode
 0600, in ``meta_dir``), where ``tag`` is a hash of the namespace's name and
 ``id`` the region's random id. The table's header names the namespace, its
 geometry and the region file, so a restarted daemon can adopt both without
@@ -94,13 +95,18 @@ class _Creation:
 class Registry:
     """Every namespace of this daemon, within ``capacity_bytes`` together."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, region_dir: str | None = None) -> None:
         self.config = config
+        # Where region files are made: the daemon's own directory (``regiondir``);
+        # an in-process registry (tools, benchmarks) makes them in shm_dir itself.
+        self.region_dir = region_dir or config.shm_dir
         self.namespaces: dict[str, Namespace] = {}
         self.creating: dict[str, _Creation] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         # The group a namespace's region file is given (access.AccessControl.gid_for).
         self.gid_for: Callable[[str], int | None] = lambda namespace: None
+        # Told of each dropped namespace (the cluster tier lets go of its mapping).
+        self.on_drop: Callable[[Namespace], None] = lambda ns: None
 
     @property
     def allocated_bytes(self) -> int:
@@ -112,7 +118,7 @@ class Registry:
         return os.path.join(self.config.metadata_dir, f"hisparse-{namespace_tag(namespace)}{TABLE_SUFFIX}")
 
     def region_path(self, namespace: str, region_id: int) -> str:
-        return os.path.join(self.config.shm_dir,
+        return os.path.join(self.region_dir,
                             f"hisparse-{namespace_tag(namespace)}-{region_id:016x}{REGION_SUFFIX}")
 
     # -- start-up --
@@ -277,6 +283,7 @@ class Registry:
         ns.table.close()
         trust.unlink_own(ns.table.path)
         trust.unlink_own(ns.region_path)
+        self.on_drop(ns)
         log.info("dropped namespace %r: %s back to the capacity", name, format_size(ns.cost_bytes))
         return ns
 

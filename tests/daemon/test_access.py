@@ -125,14 +125,17 @@ def test_only_members_of_a_namespaces_group_attach_see_or_map_it(shared_daemon, 
         assert "secret" not in stats and "open-ns" in stats, "a restricted namespace is not listed to others"
     finally:
         owner.close()
-    (secret_region,) = [p for p in os.listdir(d.shm_dir) if p != os.path.basename(region["path"])]
-    st = os.stat(os.path.join(d.shm_dir, secret_region))
+    regions = os.path.dirname(region["path"])  # the daemon's own region directory in shm_dir
+    (secret_region,) = [p for p in os.listdir(regions) if p.endswith(".region")
+                        and p != os.path.basename(region["path"])]
+    secret_region = os.path.join(regions, secret_region)
+    st = os.stat(secret_region)
     assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (team_gid, 0o660)
     # someone else: cannot read the key, so the daemon refuses; nor can it map the region
     other = as_user([0], lambda: _attach_and_store(d.socket))
     assert other["ok"]["refused"].startswith(f"[{ErrorCode.PERMISSION_DENIED.value}]"), other
     assert f"restricted to group '{GROUP}'" in other["ok"]["refused"]
-    assert as_user([0], lambda: _steal_region(os.path.join(d.shm_dir, secret_region))) == {"ok": "denied"}
+    assert as_user([0], lambda: _steal_region(secret_region)) == {"ok": "denied"}
     # an admin session without the token sees neither the namespace nor its sessions
     plain = RawClient(d.socket)
     try:

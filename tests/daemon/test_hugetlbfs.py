@@ -69,5 +69,6 @@ def test_regions_on_hugetlbfs_survive_a_restart(hugetlbfs, daemon_factory):
     finally:
         c.close()
     d.stop()
-    for name in os.listdir(hugetlbfs):
-        os.unlink(os.path.join(hugetlbfs, name))  # free the huge pages before unmounting
+    for top, _dirs, files in os.walk(hugetlbfs):  # the regions are in the daemon's own directory
+        for name in files:
+            os.unlink(os.path.join(top, name))  # free the huge pages before unmounting

@@ -65,8 +65,8 @@ def test_metadata_lives_beside_the_socket_never_in_the_shm_dir(hisparsed):
     assert stat.S_IMODE(os.stat(meta).st_mode) == 0o700
     assert not glob.glob(os.path.join(hisparsed.shm_dir, "*.meta"))
     assert not os.path.exists(os.path.join(hisparsed.shm_dir, "hisparsed.lock"))
-    region = glob.glob(os.path.join(hisparsed.shm_dir, f"hisparse-{namespace_tag('ns')}-*.region"))
-    assert len(region) == 1, "the region's name carries its random id"
+    region = glob.glob(os.path.join(hisparsed.shm_dir, "hisparsed-*", f"hisparse-{namespace_tag('ns')}-*.region"))
+    assert len(region) == 1, "the region's name carries its random id, in the daemon's own directory"
 
 
 @as_root
