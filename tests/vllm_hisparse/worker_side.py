@@ -243,3 +243,4 @@ def rows_of(tokens: list[int], layer: int, row_bytes: int) -> np.ndarray:
 
 
 BLOCK = BLOCK_TOKENS
+

@@ -1,0 +1,187 @@
+"""vLLM 0.34's real worker side over the node pool, on CPU, driven by vLLM's real scheduler.
+
+What runs is vLLM's own code: the worker's start-up in both orders
+(``tests/vllm_hisparse/worker_side.py`` lists the functions) and
+``HiSparseConnectorWorker``'s step loop through ``ActiveKVConnector``
+(``model_loop.py``), against a real hisparsed. Every patch of CUDA's
+boundary is listed in ``tests/vllm_hisparse/cpu_device.py``:
+
+1. ``torch.Event``/``torch.Stream`` -> synchronous CPU stand-ins;
+2. ``torch.accelerator`` stream, synchronize, device index, empty_cache;
+3. ``pin_memory=True`` allocations -> unpinned;
+4. the platform's HiSparse backend -> ``CpuHiSparseBackend`` (host
+   registration faults pages in and records ranges; ``swap_blocks_batch``
+   by ``memmove``; IPC events by handle);
+5. ``hisparse_invalidate_written_slots``, ``hisparse_gather_compact`` on CPU;
+6. vLLM's TP group -> ``TpGroup`` (simulated ranks);
+7. CUDA VMM (``ExtensibleTensor``, ``granule_size``, ``device_memory_info``),
+   the all-reduce ``_min_across_ranks``, ``graph_pool_handle``;
+8. the connector agent global starts empty per test.
+
+Besides those: ``KVRunner`` (``GPUModelRunner``'s KV part without attention
+backends and CUDA-graph capture), ``HostBlockTables``, ``SparseMLALayer``, and
+the model's KV writes (``worker_side`` docstring).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers.models.deepseek_v32")
+
+from hisparse.vllm import worker_pool  # noqa: E402
+from tests.vllm_hisparse import cpu_device, worker_side  # noqa: E402
+from tests.vllm_hisparse.model_loop import ModelLoop, drive  # noqa: E402
+from tests.vllm_hisparse.real_engine import Engine, make_configs, write_model_dir  # noqa: E402
+
+PROMPT = list(range(1000, 1000 + 600))  # 9 full blocks + 24 tokens: a page fills while decoding
+ORDERS = [(True, True), (True, False), (False, True), (False, False)]  # (extensible, cudagraphs)
+
+
+@pytest.fixture
+def world(hisparsed, tmp_path, monkeypatch):
+    """The CPU device, a model directory, and makers for scheduler engines and started workers."""
+    log = cpu_device.install(monkeypatch)
+    model_dir = write_model_dir(str(tmp_path / "tiny-deepseek-v32"))
+    made: list = []
+
+    class World:
+        def engine(self, **kw):
+            engine = Engine(hisparsed.socket, model_dir, **kw)
+            made.append(engine)
+            return engine
+
+        def worker(self, *, extensible: bool, cudagraphs: bool, **kw):
+            vllm_config, kv_config = make_configs(hisparsed.socket, model_dir, extensible=extensible, **kw)
+            started = worker_side.start(vllm_config, kv_config, cudagraphs=cudagraphs)
+            made.append(started.connector)
+            return started
+
+    World.log = log
+    World.socket = hisparsed.socket
+    World.model_dir = model_dir
+    yield World()
+    for thing in reversed(made):
+        thing.shutdown() if hasattr(thing, "shutdown") else thing.close()
+    worker_pool.uninstall_hook()
+
+
+def region_of(started):
+    return started.connector.worker_pool.client.session.region
+
+
+def assert_views_in_region(started):
+    region = region_of(started)
+    views = worker_side.host_views(started)
+    assert len(views) == 10
+    assert worker_side.outside(views, region.address, region.geometry.size_bytes) == []
+
+
+@pytest.mark.parametrize("extensible,cudagraphs", ORDERS)
+def test_every_host_view_the_worker_copies_into_is_the_region_in_both_start_up_orders(world, extensible,
+                                                                                      cudagraphs):
+    from vllm.v1.hisparse import runtime
+
+    worker_pool.install_hook()  # what vLLM's load_general_plugins does with our entry point
+    started = world.worker(extensible=extensible, cudagraphs=cudagraphs)
+    # vLLM's own order: the KV cache (or the profiling cache) first, the connector after it
+    want = ["extensible"] if extensible else (["profiling", "full"] if cudagraphs else ["full"])
+    assert started.runner.init_calls == want
+    pool = runtime._host_pools[started.worker.vllm_config.instance_id]
+    assert pool is started.connector.worker_pool and worker_pool.is_region_pool(pool)
+    assert_views_in_region(started)
+    assert world.log.pinned == []  # no private pool was ever registered
+
+
+@pytest.mark.parametrize("extensible,cudagraphs", ORDERS)
+def test_spills_and_row_mirrors_land_in_the_pages_vllm_publishes_held_under_the_fences(world, extensible,
+                                                                                     cudagraphs):
+    worker_pool.install_hook()
+    a = world.engine()
+    started = world.worker(extensible=extensible, cudagraphs=cudagraphs)
+    loop = ModelLoop(started, lambda r: a.scheduler.requests[r].all_token_ids, world.log)
+    first = a.add("a1", PROMPT, max_tokens=48)
+    second = a.add("a2", PROMPT[:64] + list(range(5000, 5000 + 300)), max_tokens=12)
+    tokens = {"a1": first, "a2": second}
+    steps = drive(a, loop)
+    assert steps > 40  # prefill, then decode steps with row mirrors, then spills of filled pages
+    assert first.is_finished() and second.is_finished()
+    # another engine finds the pages A's worker wrote, through vLLM's lookup: A's tokens' KV
+    b = world.engine()
+    for req, request in tokens.items():
+        all_tokens = request.all_token_ids
+        pages = b.host_lookup(all_tokens)
+        assert len(pages) == (len(all_tokens) - 1) // 64, req
+        assert b.bytes_ok(all_tokens, pages), req
+    # 10 pages of a1 (one filled while decoding) and 5 of a2, whose first block has a1's hash:
+    # both computed it in one step, so it is published once and the other page is a duplicate
+    assert a.pool.counters["published"] == 10 + 4 and a.pool.counters["duplicates"] == 1
+    # every write into the region ran while the worker held each of the step's fence files
+    assert loop.region_copies > 0 and loop.unfenced_copies == 0
+
+
+def test_without_the_plugin_a_pool_vllm_profiled_with_is_released_and_the_region_takes_its_place(world):
+    from vllm.v1.hisparse import runtime
+
+    pinned: list = []
+    unpinned: list = []
+    backend = cpu_device.CpuHiSparseBackend
+    original_pin, original_unpin = backend.pin_tensor, backend.unpin_tensor
+
+    def pin(self, tensor):
+        pinned.append(tensor.nbytes)
+        original_pin(self, tensor)
+
+    def unpin(self, tensor):
+        unpinned.append(tensor.nbytes)
+        original_unpin(self, tensor)
+
+    backend.pin_tensor, backend.unpin_tensor = pin, unpin
+    try:
+        started = world.worker(extensible=False, cudagraphs=True)
+    finally:
+        backend.pin_tensor, backend.unpin_tensor = original_pin, original_unpin
+    region = region_of(started)
+    # vLLM's CUDA-graph profiling allocated and pinned its own full pool; the connector released it
+    assert pinned and pinned == unpinned and sum(pinned) >= region.geometry.size_bytes
+    assert world.log.pinned == []
+    assert runtime._host_pools[started.worker.vllm_config.instance_id] is started.connector.worker_pool
+    assert_views_in_region(started)
+
+
+def test_without_the_plugin_the_extensible_kv_cache_is_refused_naming_the_settings(world):
+    with pytest.raises(worker_pool.HostPoolBypassed) as caught:
+        world.worker(extensible=True, cudagraphs=True)
+    message = str(caught.value)
+    assert "--no-enable-extensible-kv-cache" in message and "vllm.general_plugins" in message
+
+
+def test_without_the_plugin_the_connector_first_order_needs_nothing_else(world):
+    started = world.worker(extensible=False, cudagraphs=False)
+    assert_views_in_region(started)
+    assert world.log.pinned == []
+
+
+def test_the_plugin_entry_point_installs_the_hook_and_leaves_other_engines_vllms_pool(world):
+    import tomllib
+    from importlib import import_module
+
+    from vllm.config import KVTransferConfig
+    from vllm.v1.hisparse import binding, runtime
+
+    with open("pyproject.toml", "rb") as f:
+        entry = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]["hisparse"]
+    module, _, name = entry.partition(":")
+    getattr(import_module(module), name)()  # as vllm.plugins.load_general_plugins calls it
+    assert worker_pool.hook_installed()
+    assert runtime.get_hisparse_host_pool is binding.get_hisparse_host_pool
+    assert runtime.get_hisparse_host_pool.__wrapped__ is not None
+    # only an engine configured with our connector gets the region
+    vllms = KVTransferConfig(kv_connector="HiSparseConnector", kv_role="kv_both",
+                             kv_connector_extra_config={"host_pool_gib": 1})
+    assert worker_pool.connector_entry(vllms) is None
+    ours = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={
+        "connectors": [{"kv_connector": "HiSparseConnector", "kv_role": "kv_both",
+                        "kv_connector_module_path": "hisparse.vllm.hisparse_connector",
+                        "kv_connector_extra_config": {"host_pool_gib": 1, "socket": "s"}}]})
+    assert worker_pool.connector_entry(ours) == {"host_pool_gib": 1, "socket": "s"}
