@@ -51,6 +51,8 @@ class ModelLoop:
         self.fence_paths: tuple[str, ...] = ()
         self.unfenced_copies = 0
         self.region_copies = 0
+        self.scheduled: dict[str, int] = {}  # tokens each request had computed by the model
+        self.restored: list[bool] = []  # per restore transfer: the resident page equals its host page
         pool = started.connector.worker_pool
         self.region = pool.client.session.region
         self.row_bytes = pool.geometry.layout.row_bytes
@@ -66,7 +68,7 @@ class ModelLoop:
         from vllm.distributed.kv_transfer import kv_transfer_state
 
         parallel_state._TP = self.rank
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.started.connector
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.started.agent
         self.log.rank = self.rank.rank_in_group
         return self.execute(out)
 
@@ -100,6 +102,8 @@ class ModelLoop:
         req_ids = list(out.num_scheduled_tokens)
         counts = [out.num_scheduled_tokens[r] for r in req_ids]
         num_tokens = sum(counts)
+        for r, n in zip(req_ids, counts):
+            self.scheduled[r] = self.scheduled.get(r, 0) + n
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         computed.update(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))
         positions = [(b, r, computed[r] + i) for b, (r, n) in enumerate(zip(req_ids, counts)) for i in range(n)]
@@ -117,9 +121,13 @@ class ModelLoop:
         batch = SimpleNamespace(idx_mapping=torch.tensor([self.rows[r] for r in req_ids], dtype=torch.int32),
                                 req_ids=req_ids, num_tokens=num_tokens)
         connector = runner.kv_connector
-        self.fence_paths = tuple(getattr(out.kv_connector_metadata, "fence_paths", ()))
+        meta = out.kv_connector_metadata
+        meta = meta.metadata[0] if hasattr(meta, "metadata") else meta  # MultiConnector: ours is first
+        self.fence_paths = tuple(getattr(meta, "fence_paths", ()))
         with set_forward_context(attn_metadata, self.started.worker.vllm_config):
             connector.pre_forward(out, batch if num_tokens else None, attn_metadata if num_tokens else None)
+            restores = [t for t in (meta.command.page_transfers if meta.command else ()) if t.restore]
+            self.restored.extend(self._restored_ok(t) for t in restores)
             if num_tokens:
                 self._forward(positions)
             connector.finish_forward()
@@ -139,6 +147,17 @@ class ModelLoop:
                 block = self.blocks[r][gid][pos // BLOCK]
                 cache[block, pos % BLOCK] = torch.from_numpy(rows_of([token], layer_index, self.row_bytes)[0])
             handle.finish_kv_update()
+
+    def _restored_ok(self, transfer: Any) -> bool:
+        """Whether a restored page's resident rows, in every layer, are its region page's bytes."""
+        pages = self.region.pages_view()
+        for layer_index, layer in enumerate(self.started.layers.values()):
+            handle = layer.hisparse_cache
+            block = transfer.resident_block_ids[handle.runtime.resident_source_index]
+            resident = handle.view.cache.view(torch.uint8)[block].numpy().reshape(-1)
+            if not np.array_equal(resident, pages[layer_index, transfer.host_block_id, :resident.size]):
+                return False
+        return True
 
     def resident_rows(self, req_id: str, page: int, layer_index: int) -> np.ndarray:
         """The bytes of a request's page in one layer's resident (GPU) cache."""

@@ -25,6 +25,11 @@ the model's KV writes (``worker_side`` docstring).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("transformers.models.deepseek_v32")
@@ -54,7 +59,7 @@ def world(hisparsed, tmp_path, monkeypatch):
         def worker(self, *, extensible: bool, cudagraphs: bool, **kw):
             vllm_config, kv_config = make_configs(hisparsed.socket, model_dir, extensible=extensible, **kw)
             started = worker_side.start(vllm_config, kv_config, cudagraphs=cudagraphs)
-            made.append(started.connector)
+            made.append(started.agent)
             return started
 
     World.log = log
@@ -185,3 +190,77 @@ def test_the_plugin_entry_point_installs_the_hook_and_leaves_other_engines_vllms
                         "kv_connector_module_path": "hisparse.vllm.hisparse_connector",
                         "kv_connector_extra_config": {"host_pool_gib": 1, "socket": "s"}}]})
     assert worker_pool.connector_entry(ours) == {"host_pool_gib": 1, "socket": "s"}
+
+
+def test_a_host_import_restores_the_node_pools_page_and_the_worker_reads_it_back(world):
+    # MultiConnector[our HiSparseConnector, OffloadingConnector(HiSparseOffloadingSpec)] on both
+    # sides: A's workers write the host pages and store the indexer blocks; B imports A's prefix
+    # (vLLM records a host import, the OffloadingConnector worker loads the indexer blocks,
+    # complete_host_import restores the last page from the node pool into B's resident cache)
+    worker_pool.install_hook()
+    a = world.engine(with_indexer=True)
+    loop_a = ModelLoop(world.worker(extensible=True, cudagraphs=True, with_indexer=True),
+                       lambda r: a.scheduler.requests[r].all_token_ids, world.log)
+    a.add("a1", PROMPT[:576] + list(range(9000, 9064)))  # 10 full blocks
+    drive(a, loop_a)
+    b = world.engine(with_indexer=True)
+    loop_b = ModelLoop(world.worker(extensible=True, cudagraphs=True, with_indexer=True),
+                       lambda r: b.scheduler.requests[r].all_token_ids, world.log)
+    request = b.add("b1", PROMPT[:576] + list(range(9000, 9064)))
+    drive(b, loop_b)
+    # B computed the last block and one decode token; 576 prompt tokens came from the node
+    assert request.is_finished() and loop_b.scheduled == {"b1": 64 + 1}, loop_b.scheduled
+    # the restore copied the region page, byte for byte, into B's resident cache
+    assert loop_b.restored == [True]
+    # and the pages B's lookup finds hold A's tokens' KV
+    pages = b.host_lookup(request.all_token_ids)
+    assert len(pages) == 10 and b.bytes_ok(request.all_token_ids, pages)
+    assert loop_a.unfenced_copies == loop_b.unfenced_copies == 0
+
+
+READER = """
+import hashlib, json, sys
+from hisparse.client import attach
+from hisparse.layout import KVLayout
+socket, namespace, layout, keys = json.loads(sys.argv[1])
+client = attach(namespace, KVLayout(*layout), socket=socket, name="second engine")
+with client.pin([bytes.fromhex(k) for k in keys]) as pin:
+    digests = [[hashlib.sha256(pin.view(i)[layer].numpy().tobytes()).hexdigest()
+                for layer in range(layout[0])] for i in range(len(pin.page_ids))]
+    print(json.dumps({"pages": [int(p) for p in pin.page_ids], "digests": digests}))
+client.close()
+"""
+
+
+def test_a_second_engine_process_reads_the_bytes_this_worker_spilled(world):
+    import hashlib
+
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    from tests.vllm_hisparse.engine import token_bytes
+
+    worker_pool.install_hook()
+    a = world.engine()
+    started = world.worker(extensible=True, cudagraphs=True)
+    loop = ModelLoop(started, lambda r: a.scheduler.requests[r].all_token_ids, world.log)
+    request = a.add("a1", PROMPT, max_tokens=48)
+    drive(a, loop)
+    tokens = list(request.all_token_ids)
+    # the host group's keys of the request's 10 full blocks, as every engine derives them
+    group = a.coordinator.host_group_id
+    keys = [bytes(make_block_hash_with_group_id(h, group)).hex() for h in request.block_hashes[:10]]
+    lay = started.connector.worker_pool.geometry.layout
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", READER, json.dumps([world.socket, a.connector.namespace,
+                                                   [lay.num_layers, lay.block_tokens, lay.row_bytes], keys])],
+        cwd=repo, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": repo})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # another process, its own mapping of the region, pins A's keys: every page holds A's KV
+    assert len(result["pages"]) == 10
+    for index, digests in enumerate(result["digests"]):
+        chunk = tokens[index * 64:(index + 1) * 64]
+        want = [hashlib.sha256(token_bytes(chunk, lay.row_bytes, layer).tobytes()).hexdigest()
+                for layer in range(lay.num_layers)]
+        assert digests == want, index

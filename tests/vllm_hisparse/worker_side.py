@@ -185,6 +185,7 @@ class Started:
     runner: KVRunner
     layers: dict[str, SparseMLALayer]
     connector: Any  # our HiSparseConnector (worker role)
+    agent: Any = None  # what vLLM built: ours, or the MultiConnector holding it
 
 
 def start(vllm_config: Any, kv_cache_config: Any, *, cudagraphs: bool) -> Started:
@@ -196,6 +197,7 @@ def start(vllm_config: Any, kv_cache_config: Any, *, cudagraphs: bool) -> Starte
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
+    kv_transfer_state._KV_CONNECTOR_AGENT = None  # each worker is its own process
     layers = add_layers(vllm_config)
     runner = KVRunner(vllm_config, cudagraphs)
     worker = make_worker(vllm_config, runner)
@@ -210,8 +212,9 @@ def start(vllm_config: Any, kv_cache_config: Any, *, cudagraphs: bool) -> Starte
     worker.initialize_from_config(kv_cache_config)
     if vllm_config.cache_config.enable_extensible_kv_cache:
         worker.extend_kv_cache(kv_cache_config.num_blocks)
-    connector = kv_transfer_state._KV_CONNECTOR_AGENT
-    return Started(worker, runner, layers, connector)
+    agent = kv_transfer_state._KV_CONNECTOR_AGENT
+    connector = next(c for c in getattr(agent, "_connectors", [agent]) if hasattr(c, "worker_pool"))
+    return Started(worker, runner, layers, connector, agent)
 
 
 def host_views(started: Started) -> dict[str, tuple[int, int]]:
