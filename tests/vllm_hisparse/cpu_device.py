@@ -193,15 +193,20 @@ class TpGroup:
         self.world_size = world_size
         self.rank = rank
         self._shared = shared
+        self._broadcasts = 0
 
     def barrier(self) -> None:
         return
 
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """The ``n``-th broadcast of every rank gets rank ``src``'s ``n``-th object (it runs first)."""
+        sent = self._shared.setdefault("objects", [])
+        index = self._broadcasts
+        self._broadcasts += 1
         if self.rank_in_group == src:
-            self._shared["object"] = obj
+            sent.append(obj)
             return obj
-        return self._shared["object"]
+        return sent[index]
 
 
 class CpuExtensibleTensor:

@@ -264,3 +264,25 @@ def test_a_second_engine_process_reads_the_bytes_this_worker_spilled(world):
         want = [hashlib.sha256(token_bytes(chunk, lay.row_bytes, layer).tobytes()).hexdigest()
                 for layer in range(lay.num_layers)]
         assert digests == want, index
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_at_tp_n_each_spilled_row_is_written_by_one_rank_and_read_back_by_all(world, tp):
+    from tests.vllm_hisparse import tp_ranks
+
+    worker_pool.install_hook()
+    prompts = [PROMPT, PROMPT[:128] + list(range(7000, 7000 + 200))]
+    result = tp_ranks.run(world.socket, world.model_dir, tp, world.log, prompts)
+    # vLLM's one-writer rule over the region: TP rank 0 alone writes; the pages hold the KV
+    assert result["writers_per_page"] == 1.0 and result["copies_per_row"] == 1.0
+    assert {rank for rank, *_ in world.log.copies} == {0}
+    # 9 + 5 full pages, the second prompt's first two are the first's (published once)
+    assert result["bytes_ok"] and result["unfenced"] == 0 and result["published"] == 9 + 3
+
+
+def test_at_tp_2_without_a_shared_pool_the_worker_refuses_to_start(world):
+    from tests.vllm_hisparse import tp_ranks
+
+    worker_pool.install_hook()
+    with pytest.raises(worker_pool.InvalidArgument, match="--distributed-executor-backend mp"):
+        tp_ranks.start_ranks(world.socket, world.model_dir, 2, world.log, None, one_writer=False)
