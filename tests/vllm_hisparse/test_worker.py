@@ -286,3 +286,18 @@ def test_at_tp_2_without_a_shared_pool_the_worker_refuses_to_start(world):
     worker_pool.install_hook()
     with pytest.raises(worker_pool.InvalidArgument, match="--distributed-executor-backend mp"):
         tp_ranks.start_ranks(world.socket, world.model_dir, 2, world.log, None, one_writer=False)
+
+
+def test_the_gpu_checks_registration_ranges_are_vllms_for_its_geometry():
+    # tests/client/test_worker_views_gpu.py runs where vLLM is not installed: its ranges are vLLM's
+    from vllm.utils.host_memory import host_registration_ranges
+
+    from tests.client import test_worker_views_gpu as gpu
+
+    lay = gpu.LAYOUT
+    slab = gpu.NUM_BLOCKS * lay.block_tokens * lay.row_bytes
+    assert host_registration_ranges([slab] * lay.num_layers, gpu.NUM_BLOCKS, lay.num_layers * slab,
+                                    gpu.MAX_CHUNK_BYTES) == gpu.RANGES
+    block_bytes = lay.block_tokens * lay.row_bytes
+    cuts = {(end % slab) // block_bytes for _, end in gpu.RANGES[:-1]}
+    assert cuts <= set(gpu.CUT_BLOCKS) and all(end % block_bytes == 0 for _, end in gpu.RANGES)
