@@ -56,8 +56,9 @@ def world(hisparsed, tmp_path, monkeypatch):
             made.append(engine)
             return engine
 
-        def worker(self, *, extensible: bool, cudagraphs: bool, **kw):
+        def worker(self, *, extensible: bool, cudagraphs: bool, eager_mirror: bool = True, **kw):
             vllm_config, kv_config = make_configs(hisparsed.socket, model_dir, extensible=extensible, **kw)
+            vllm_config.attention_config.hisparse_config.eager_host_mirror = eager_mirror
             started = worker_side.start(vllm_config, kv_config, cudagraphs=cudagraphs)
             made.append(started.agent)
             return started
@@ -73,6 +74,13 @@ def world(hisparsed, tmp_path, monkeypatch):
 
 def region_of(started):
     return started.connector.worker_pool.client.session.region
+
+
+def copy_sizes(log, started) -> set[int]:
+    """The sizes of the copies made into the region."""
+    region = region_of(started)
+    end = region.address + region.geometry.size_bytes
+    return {n for _, _, dst, n in log.copies if region.address <= dst < end}
 
 
 def assert_views_in_region(started):
@@ -123,6 +131,26 @@ def test_spills_and_row_mirrors_land_in_the_pages_vllm_publishes_held_under_the_
     assert a.pool.counters["published"] == 10 + 4 and a.pool.counters["duplicates"] == 1
     # every write into the region ran while the worker held each of the step's fence files
     assert loop.region_copies > 0 and loop.unfenced_copies == 0
+    assert 96 in copy_sizes(world.log, started)  # eager mirroring: each decode row as written
+
+
+def test_without_eager_mirroring_whole_page_spills_land_in_the_pages_vllm_publishes(world):
+    # eager_host_mirror off: decode rows are not mirrored as they are written; each filled
+    # page goes to the host in one DMA per layer (the worker's _enqueue_transfers)
+    worker_pool.install_hook()
+    a = world.engine()
+    started = world.worker(extensible=True, cudagraphs=True, eager_mirror=False)
+    loop = ModelLoop(started, lambda r: a.scheduler.requests[r].all_token_ids, world.log)
+    request = a.add("a1", PROMPT, max_tokens=48)
+    drive(a, loop)
+    tokens = list(request.all_token_ids)
+    b = world.engine()
+    pages = b.host_lookup(tokens)
+    assert len(pages) == 10 and b.bytes_ok(tokens, pages)
+    # decode rows were not copied one by one (eager mirroring does: the test above); the page
+    # that filled while decoding went as whole blocks, one per layer
+    assert copy_sizes(world.log, started) - {64 * 96, 24 * 96} == set()
+    assert loop.unfenced_copies == 0
 
 
 def test_without_the_plugin_a_pool_vllm_profiled_with_is_released_and_the_region_takes_its_place(world):
