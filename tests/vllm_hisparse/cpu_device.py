@@ -19,9 +19,10 @@ after the test). The patches, one by one:
    ``memmove`` (vLLM's ``swap_blocks_batch``: one async copy per descriptor),
    IPC events are ``CpuEvent`` objects passed by handle between simulated TP
    ranks, and ``create_cache_ops`` gives ``CpuCacheOps``.
-5. ``CpuCacheOps``: the two ``_C_cache_ops`` kernels the worker's step loop
-   and swap-in call, ``hisparse_invalidate_written_slots`` and
-   ``hisparse_gather_compact`` (semantics in their docstrings).
+5. ``CpuCacheOps``: the ``_C_cache_ops`` kernel the connector worker's step
+   loop calls, ``hisparse_invalidate_written_slots`` (semantics in its
+   docstring); the attention-side kernels (residency resolution, swap-in
+   gathers) raise, as nothing here runs attention.
 6. vLLM's TP group (``parallel_state._TP``) -> ``TpGroup`` (barrier, object
    broadcast from rank 0, rank and size) for the simulated ranks.
 7. ``gpu_worker.granule_size`` (the CUDA VMM granule) -> 2 MiB;
@@ -130,16 +131,6 @@ class CpuCacheOps:
                 row = states[req]
                 if row >= 0:
                     table[row][table[row] == slot] = -1
-
-    @staticmethod
-    def hisparse_gather_compact(host_cache: torch.Tensor, hot_cache: torch.Tensor, host_rows: torch.Tensor,
-                                device_rows: torch.Tensor, counts: torch.Tensor) -> None:
-        """For each token row ``i``: the first ``counts[i]`` host rows ``host_rows[i]`` are copied into the
-        hot cache's rows ``device_rows[i]`` (flat row ids of ``hot_cache`` viewed as rows)."""
-        hot = hot_cache.reshape(-1, hot_cache.shape[-1])
-        for i, count in enumerate(counts.tolist()):
-            if count > 0:
-                hot[device_rows[i, :count].long()] = host_cache[host_rows[i, :count].long()]
 
     def __getattr__(self, name: str) -> Any:
         raise NotImplementedError(f"{name}: not needed by the connector worker's step loop on CPU")

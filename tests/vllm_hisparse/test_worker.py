@@ -12,7 +12,7 @@ boundary is listed in ``tests/vllm_hisparse/cpu_device.py``:
 4. the platform's HiSparse backend -> ``CpuHiSparseBackend`` (host
    registration faults pages in and records ranges; ``swap_blocks_batch``
    by ``memmove``; IPC events by handle);
-5. ``hisparse_invalidate_written_slots``, ``hisparse_gather_compact`` on CPU;
+5. ``hisparse_invalidate_written_slots`` on CPU;
 6. vLLM's TP group -> ``TpGroup`` (simulated ranks);
 7. CUDA VMM (``ExtensibleTensor``, ``granule_size``, ``device_memory_info``),
    the all-reduce ``_min_across_ranks``, ``graph_pool_handle``;
