@@ -191,10 +191,15 @@ def engine_step(engine: Any, loops: list[ModelLoop]) -> dict[str, int]:
 
 def drive(engine: Any, loops: ModelLoop | list[ModelLoop], max_steps: int = 200) -> int:
     """Scheduler and worker(s) until no request or spill is left, plus the step that publishes; steps taken."""
+    from tests.waiting import wait_for
+
     loops = loops if isinstance(loops, list) else [loops]
     for steps in range(1, max_steps + 1):
         engine_step(engine, loops)
         if not engine.scheduler.requests and not engine.coordinator.has_pending_work():
-            engine_step(engine, loops)  # its build_connector_meta flushes the last publishes
+            # Idle steps until the pool has sent its last publishes (build_connector_meta flushes;
+            # a daemon request that timed out on a loaded machine leaves them for a later step).
+            wait_for(lambda: engine_step(engine, loops) == {} and not engine.pool._to_publish,
+                     "the pool's last publishes")
             return steps + 1
     raise AssertionError(f"requests still running after {max_steps} steps")
