@@ -98,7 +98,9 @@ class CpuStream:
 class DeviceLog:
     """What the replaced device did: registrations, copies (per simulated rank), fence checks."""
 
-    pinned: list[tuple[int, int]] = field(default_factory=list)
+    pinned: list[tuple[int, int]] = field(default_factory=list)  # registered now
+    pin_history: list[int] = field(default_factory=list)  # bytes of every registration made
+    unpin_history: list[int] = field(default_factory=list)  # bytes of every one undone
     copies: list[tuple[int, int, int, int]] = field(default_factory=list)  # (rank, src, dst, size)
     rank: int = 0
     on_copy: Callable[[int, int, int], None] | None = None  # (dst, size, rank) before each copy
@@ -148,9 +150,11 @@ class CpuHiSparseBackend(HiSparseBackend):
         raw = tensor.view(torch.uint8).reshape(-1)
         raw[::PAGE_BYTES] = raw[::PAGE_BYTES].clone()  # fault every page in, as registration locks it
         LOG.pinned.append((tensor.data_ptr(), tensor.nbytes))
+        LOG.pin_history.append(tensor.nbytes)
 
     def unpin_tensor(self, tensor: torch.Tensor) -> None:
         LOG.pinned.remove((tensor.data_ptr(), tensor.nbytes))
+        LOG.unpin_history.append(tensor.nbytes)
 
     def create_cache_ops(self, runtime: Any) -> Any:
         return CpuCacheOps()

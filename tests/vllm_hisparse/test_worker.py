@@ -103,7 +103,7 @@ def test_every_host_view_the_worker_copies_into_is_the_region_in_both_start_up_o
     pool = runtime._host_pools[started.worker.vllm_config.instance_id]
     assert pool is started.connector.worker_pool and worker_pool.is_region_pool(pool)
     assert_views_in_region(started)
-    assert world.log.pinned == []  # no private pool was ever registered
+    assert world.log.pin_history == []  # no private pool was ever registered
 
 
 @pytest.mark.parametrize("extensible,cudagraphs", [(True, True), (False, True)])  # CUDA's two defaults
@@ -156,26 +156,10 @@ def test_without_eager_mirroring_whole_page_spills_land_in_the_pages_vllm_publis
 def test_without_the_plugin_a_pool_vllm_profiled_with_is_released_and_the_region_takes_its_place(world):
     from vllm.v1.hisparse import runtime
 
-    pinned: list = []
-    unpinned: list = []
-    backend = cpu_device.CpuHiSparseBackend
-    original_pin, original_unpin = backend.pin_tensor, backend.unpin_tensor
-
-    def pin(self, tensor):
-        pinned.append(tensor.nbytes)
-        original_pin(self, tensor)
-
-    def unpin(self, tensor):
-        unpinned.append(tensor.nbytes)
-        original_unpin(self, tensor)
-
-    backend.pin_tensor, backend.unpin_tensor = pin, unpin
-    try:
-        started = world.worker(extensible=False, cudagraphs=True)
-    finally:
-        backend.pin_tensor, backend.unpin_tensor = original_pin, original_unpin
+    started = world.worker(extensible=False, cudagraphs=True)
     region = region_of(started)
     # vLLM's CUDA-graph profiling allocated and pinned its own full pool; the connector released it
+    pinned, unpinned = world.log.pin_history, world.log.unpin_history
     assert pinned and pinned == unpinned and sum(pinned) >= region.geometry.size_bytes
     assert world.log.pinned == []
     assert runtime._host_pools[started.worker.vllm_config.instance_id] is started.connector.worker_pool
@@ -192,7 +176,7 @@ def test_without_the_plugin_the_extensible_kv_cache_is_refused_naming_the_settin
 def test_without_the_plugin_the_connector_first_order_needs_nothing_else(world):
     started = world.worker(extensible=False, cudagraphs=False)
     assert_views_in_region(started)
-    assert world.log.pinned == []
+    assert world.log.pin_history == []
 
 
 def test_the_plugin_entry_point_installs_the_hook_and_leaves_other_engines_vllms_pool(world):
