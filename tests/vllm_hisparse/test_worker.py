@@ -179,17 +179,24 @@ def test_without_the_plugin_the_connector_first_order_needs_nothing_else(world):
     assert world.log.pin_history == []
 
 
-def test_the_plugin_entry_point_installs_the_hook_and_leaves_other_engines_vllms_pool(world):
+def test_the_plugin_entry_point_installs_the_hook_and_leaves_other_engines_vllms_pool(world, monkeypatch):
+    import importlib.metadata
     import tomllib
-    from importlib import import_module
 
+    import vllm.plugins
     from vllm.config import KVTransferConfig
     from vllm.v1.hisparse import binding, runtime
 
+    # vLLM's own loader, over the entry point pyproject declares (what pip installs from it)
     with open("pyproject.toml", "rb") as f:
-        entry = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]["hisparse"]
-    module, _, name = entry.partition(":")
-    getattr(import_module(module), name)()  # as vllm.plugins.load_general_plugins calls it
+        value = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]["hisparse"]
+    group = "vllm.general_plugins"
+    declared = importlib.metadata.EntryPoints([importlib.metadata.EntryPoint("hisparse", value, group)])
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: declared if kw == {"group": group} else [])
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert not worker_pool.hook_installed()
+    vllm.plugins.load_general_plugins()
     assert worker_pool.hook_installed()
     assert runtime.get_hisparse_host_pool is binding.get_hisparse_host_pool
     assert runtime.get_hisparse_host_pool.__wrapped__ is not None
