@@ -20,10 +20,15 @@ coordinator, then swaps the host group's ``BlockPool`` for a
 ``DaemonHostBlockPool`` and has every prefix lookup pin the other engines'
 pages it may hit first; ``build_connector_meta`` flushes the step's daemon
 work (one batch) and names the fence files the step's pages need. Worker
-side: the connector is built before vLLM allocates the KV cache, so it
-installs a ``RegionHostPool`` as this
-engine's host pool: vLLM's HiSparse kernels then read and write the region;
-``start_load_kv`` locks the step's fence files first (``fences.WorkerFences``).
+side: vLLM's host pool is a ``RegionHostPool`` over the region, so vLLM's
+HiSparse kernels and copies read and write the node's pages. It is made at
+vLLM's first request for the pool by the hook that ``hisparse.vllm.plugin``
+(a ``vllm.general_plugins`` entry point) installs, because under vLLM's
+defaults (extensible KV cache, CUDA graphs) that request comes *before* this
+connector is built; the connector adopts it, or, without the plugin,
+replaces a private pool no layer uses or refuses to start
+(``worker_pool``). ``start_load_kv`` locks the step's fence files first
+(``fences.WorkerFences``).
 
 Extra config keys besides vLLM's ``host_pool_gib``: ``socket``,
 ``namespace``, ``timeout_s``, ``hash_algo``, ``mirror_refresh_s``
@@ -45,14 +50,15 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_b
 
 from hisparse.vllm.config import AdapterConfig
 from hisparse.vllm.fences import WorkerFences
-from hisparse.vllm.host_region import (
-    HostGeometry,
-    check_geometry,
-    derive_namespace,
-    region_host_pool_class,
-)
+from hisparse.vllm.host_region import HostGeometry
 from hisparse.vllm.rpc import NamespaceOps
 from hisparse.vllm.versions import check_vllm_version
+from hisparse.vllm.worker_pool import (  # noqa: F401  (attach_host_region, region_info: public here too)
+    adopt_or_install,
+    attach_host_region,
+    pool_namespace,
+    region_info,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,29 +70,6 @@ class HiSparsePoolMetadata(HiSparseConnectorMetadata):
     fence_paths: tuple[str, ...] = ()
 
 
-def region_info(client: Any) -> dict[str, int]:
-    """The region a client mapped, in the fields ``check_geometry`` compares."""
-    g = client.session.region.geometry
-    lay = g.layout
-    return {"num_pages": g.num_pages, "num_layers": lay.num_layers, "block_tokens": lay.block_tokens,
-            "row_bytes": lay.row_bytes, "page_bytes": lay.page_bytes, "size_bytes": g.size_bytes,
-            "layer_stride_bytes": g.layer_stride_bytes}
-
-
-def attach_host_region(namespace: str, geometry: HostGeometry, settings: AdapterConfig, name: str) -> Any:
-    """Attach to the namespace (creating it at vLLM's host pool size) and check its geometry."""
-    from hisparse.client import attach
-
-    client = attach(namespace, geometry.layout, socket=settings.socket, capacity=geometry.region_bytes,
-                    timeout_s=settings.timeout_s, name=name)
-    try:
-        check_geometry(geometry, region_info(client), namespace)
-    except BaseException:
-        client.close()
-        raise
-    return client
-
-
 class HiSparseConnector(VllmHiSparseConnector):
     """vLLM's ``HiSparseConnector`` over a hisparsed namespace (module docstring)."""
 
@@ -96,34 +79,16 @@ class HiSparseConnector(VllmHiSparseConnector):
         transfer = vllm_config.kv_transfer_config
         self.settings = AdapterConfig.from_extra_config(transfer.kv_connector_extra_config or {})
         self.geometry = HostGeometry.from_kv_cache_config(kv_cache_config)
-        self.namespace = self.settings.namespace or derive_namespace(
-            model=str(vllm_config.model_config.model),
-            kv_cache_dtype=str(vllm_config.cache_config.cache_dtype), geometry=self.geometry,
-            hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
-            tp_size=vllm_config.parallel_config.tensor_parallel_size)
+        self.namespace = pool_namespace(vllm_config, self.geometry, self.settings)
         self.host_pool: Any = None
-        self._client: Any = None
+        self.worker_pool: Any = None
         self._worker_fences = WorkerFences()
         if role == KVConnectorRole.WORKER:
-            self._install_worker_pool(vllm_config, kv_cache_config)
+            # The hook (hisparse.vllm.plugin) normally made the pool already, at vLLM's
+            # first request for it; else it is made, or vLLM's own one replaced, here.
+            self.worker_pool = adopt_or_install(vllm_config, kv_cache_config, self.settings)
         log.info("hisparse HiSparse host pool: namespace %r, %d pages of %d B", self.namespace,
                  self.geometry.num_blocks, self.geometry.layout.page_bytes)
-
-    # -- worker --
-
-    def _install_worker_pool(self, vllm_config: Any, kv_cache_config: Any) -> None:
-        import torch
-        from vllm.v1.hisparse import runtime
-
-        self._client = attach_host_region(self.namespace, self.geometry, self.settings,
-                                          f"vllm hisparse worker {vllm_config.instance_id}")
-        device_index = torch.cuda.current_device() if torch.cuda.is_available() else None
-        pool_cls = region_host_pool_class()
-        # vLLM memoises the host pool per instance; it is first asked for it after
-        # this connector exists (Worker.initialize_from_config), so ours is the one.
-        runtime._host_pools[vllm_config.instance_id] = pool_cls(
-            vllm_config, kv_cache_config, client=self._client, geometry=self.geometry,
-            device_index=device_index)
 
     # -- scheduler --
 
@@ -160,8 +125,12 @@ class HiSparseConnector(VllmHiSparseConnector):
         super().shutdown()
         if self.host_pool is not None:
             self.host_pool.close()
-        if self._client is not None:
-            self._client.close()
+        if self.worker_pool is not None:
+            from vllm.v1.hisparse import runtime
+
+            if runtime._host_pools.get(self._vllm_config.instance_id) is self.worker_pool:
+                del runtime._host_pools[self._vllm_config.instance_id]
+            self.worker_pool.close()
         self._worker_fences.close()
 
 

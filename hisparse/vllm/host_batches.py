@@ -60,7 +60,13 @@ class StepBatches:
         if not self._to_publish:
             return
         by_call: dict[tuple[int, bool], tuple[Session, list[int]]] = {}
-        for page in self._to_publish:
+        keys_sent: set[bytes] = set()
+        for page, key in self._to_publish.items():
+            if key in keys_sent:
+                # Two blocks of one hash (requests that computed the same prefix in one
+                # step): one batch may name a key once; the second goes next step, as a duplicate.
+                continue
+            keys_sent.add(key)
             session = self._reserved[page][0]
             pin = self.blocks[page].ref_cnt > 0
             by_call.setdefault((id(session), pin), (session, []))[1].append(page)

@@ -145,12 +145,36 @@ def derive_namespace(*, model: str, kv_cache_dtype: str, geometry: HostGeometry,
     return f"vllm-hisparse/{name}/{_UNSAFE.sub('_', kv_cache_dtype)}/tp{tp_size}/{digest}"
 
 
+class RegionShare:
+    """What vLLM's HiSparse worker needs of a shared host pool, for the region.
+
+    vLLM gives its worker ``host_pool.shared_region`` when TP ranks share one
+    pool; the worker then lets TP rank 0 alone write (spills, row mirrors,
+    host copies) and orders the readers on its IPC events. The region is
+    that pool: ``base_tensor`` is its mapping; ``cleanup`` leaves it to the
+    hisparse client, which unmaps it when the pool closes.
+    """
+
+    def __init__(self, base_tensor: torch.Tensor) -> None:
+        self.base_tensor = base_tensor
+
+    def cleanup(self) -> None:
+        return
+
+
 def region_host_pool_class() -> type:
     """``RegionHostPool``, a ``HiSparseHostPool`` subclass (built on first use: imports vLLM's runtime)."""
     from vllm.v1.hisparse.runtime import HiSparseHostPool
 
     class RegionHostPool(HiSparseHostPool):
-        """The worker's host pool: the namespace's region, mapped and registered once."""
+        """The worker's host pool: the namespace's region, mapped and registered once.
+
+        ``is_hisparse_region`` tells ``worker_pool`` it is ours. With TP > 1
+        (vLLM's ``hisparse_shared_host_pool``) it carries a ``RegionShare``
+        as ``shared_region``, so vLLM's one-writer rule applies.
+        """
+
+        is_hisparse_region = True
 
         def __init__(self, vllm_config: Any, kv_cache_config: Any, *, client: Any,
                      geometry: HostGeometry, device_index: int | None) -> None:
@@ -177,6 +201,12 @@ def region_host_pool_class() -> type:
             self.registered = torch.from_numpy(region.array).view(torch.int8)
             self.backing = self.registered[:size]
             self.pinned = []  # registered for the life of the process by hisparse
+            if getattr(self.kv_cache_config, "hisparse_shared_host_pool", False):
+                self.shared_region = RegionShare(self.registered)
             return self.backing
+
+        def close(self) -> None:
+            """Detach from the namespace (the worker has stopped copying)."""
+            self.client.close()
 
     return RegionHostPool

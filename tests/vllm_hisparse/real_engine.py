@@ -61,6 +61,51 @@ def layer_specs() -> dict[str, Any]:
     return specs
 
 
+def make_configs(socket: str, model_dir: str, *, host_pool_gib: float = 0.01, extra: dict[str, Any] | None = None,
+                 with_indexer: bool = False, extensible: bool = False) -> tuple[Any, Any]:
+    """vLLM's ``VllmConfig`` for the tiny model with our connector(s), and the worker's ``KVCacheConfig``."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    platform.install()
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.utils.hashing import sha256
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.hisparse.layout import get_hisparse_kv_cache_groups
+
+    hisparse = {"kv_connector": "HiSparseConnector", "kv_role": "kv_both",
+                "kv_connector_module_path": "hisparse.vllm.hisparse_connector",
+                "kv_connector_extra_config": {"host_pool_gib": host_pool_gib, "socket": socket,
+                                              **(extra or {})}}
+    if with_indexer:
+        indexer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"spec_name": "HiSparseOffloadingSpec",
+                                                 "spec_module_path": "hisparse.vllm",
+                                                 "socket": socket, "capacity": "8MiB",
+                                                 "mirror_refresh_s": 0.0}}
+        transfer = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                                    kv_connector_extra_config={"connectors": [hisparse, indexer]})
+    else:
+        transfer = KVTransferConfig(**hisparse)
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=2048),
+        kv_transfer_config=transfer, device_config=DeviceConfig(device="cpu"),
+        cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True,
+                                 enable_extensible_kv_cache=False),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8,
+                                         max_model_len=2048, is_encoder_decoder=False))
+    # CUDA's default; the CPU platform refuses it at validation, the worker code runs it
+    vllm_config.cache_config.enable_extensible_kv_cache = extensible
+    specs = layer_specs()
+    resolve_kv_cache_layout(vllm_config, [["BLHNC"]], specs.values())
+    groups = get_hisparse_kv_cache_groups(vllm_config, specs)
+    worker_config = get_kv_cache_config_from_groups(vllm_config, groups, 64 << 20)
+    register_all_kvcache_specs(vllm_config)
+    init_none_hash(sha256)
+    return vllm_config, worker_config
+
+
 @dataclass
 class Engine:
     """One engine's scheduler process: vLLM's Scheduler, our connector, the worker stand-in."""
@@ -74,50 +119,15 @@ class Engine:
     with_indexer: bool = False
 
     def __post_init__(self) -> None:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        platform.install()
-        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.utils.hashing import sha256
-        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-        from vllm.v1.core.kv_cache_utils import (
-            generate_scheduler_kv_cache_config,
-            get_request_block_hasher,
-            init_none_hash,
-        )
+        from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_request_block_hasher
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-        from vllm.v1.hisparse.layout import get_hisparse_kv_cache_groups
         from vllm.v1.structured_output import StructuredOutputManager
 
-        hisparse = {"kv_connector": "HiSparseConnector", "kv_role": "kv_both",
-                    "kv_connector_module_path": "hisparse.vllm.hisparse_connector",
-                    "kv_connector_extra_config": {"host_pool_gib": self.host_pool_gib,
-                                                  "socket": self.socket, **self.extra}}
-        if self.with_indexer:
-            indexer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                       "kv_connector_extra_config": {"spec_name": "HiSparseOffloadingSpec",
-                                                     "spec_module_path": "hisparse.vllm",
-                                                     "socket": self.socket, "capacity": "8MiB",
-                                                     "mirror_refresh_s": 0.0}}
-            transfer = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
-                                        kv_connector_extra_config={"connectors": [hisparse, indexer]})
-        else:
-            transfer = KVTransferConfig(**hisparse)
-        vllm_config = VllmConfig(
-            model_config=ModelConfig(model=self.model_dir, skip_tokenizer_init=True, max_model_len=2048),
-            kv_transfer_config=transfer, device_config=DeviceConfig(device="cpu"),
-            cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8,
-                                             max_model_len=2048, is_encoder_decoder=False))
-        specs = layer_specs()
-        resolve_kv_cache_layout(vllm_config, [["BLHNC"]], specs.values())
-        groups = get_hisparse_kv_cache_groups(vllm_config, specs)
-        worker_config = get_kv_cache_config_from_groups(vllm_config, groups, 64 << 20)
+        vllm_config, worker_config = make_configs(self.socket, self.model_dir, host_pool_gib=self.host_pool_gib,
+                                                  extra=self.extra, with_indexer=self.with_indexer)
         self.kv_cache_config = generate_scheduler_kv_cache_config([worker_config])
         vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
-        register_all_kvcache_specs(vllm_config)
-        init_none_hash(sha256)
         self.vllm_config = vllm_config
         self.scheduler = Scheduler(vllm_config, self.kv_cache_config, StructuredOutputManager(vllm_config),
                                    block_size=BLOCK_TOKENS)
