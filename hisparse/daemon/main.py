@@ -25,6 +25,7 @@ from hisparse.daemon import config as config_mod
 from hisparse.daemon import notify, trust
 from hisparse.daemon.access import AccessControl, give_to_group
 from hisparse.daemon.handlers import DaemonContext
+from hisparse.daemon.limits import raise_fd_limit
 from hisparse.daemon.namespaces import Registry
 from hisparse.daemon.server import Server, endpoint_for
 from hisparse.daemon.sessions import SessionTable
@@ -180,6 +181,8 @@ def _cluster_tier(cfg: config_mod.ClusterConfig):
 
 
 def run(cfg: config_mod.Config) -> int:
+    fd_limit = raise_fd_limit()  # sessions and connections are counted against it (daemon.limits)
+    log.info("RLIMIT_NOFILE %d; %d kept free (fd_headroom)", fd_limit, cfg.fd_headroom)
     # First the socket's directory: meta/, fences/ and the token go beside it.
     trust.private_dir(os.path.dirname(cfg.socket), "socket directory", allow_root_owner=True)
     lock_fd = _lock_state_dir(cfg)

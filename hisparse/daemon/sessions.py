@@ -110,11 +110,14 @@ class SessionTable:
         self.zombies: dict[str, Zombie] = {}  # fence name -> zombie
         self.expired_total = 0
         self.zombies_released_total = 0
+        self.limits = None  # hisparse.daemon.limits.Limits: admits and counts sessions (None: no caps)
 
     # -- live sessions --
 
     def open(self, namespace: Namespace | None, client: str, peer: bytes = b"",
              fence_dir: str | None = None) -> Session:
+        if self.limits is not None:  # QUOTA_EXCEEDED naming the cap, before anything is made
+            self.limits.admit_session(peer, len(self.sessions), len(self.zombies))
         now = self._clock()
         sid = secrets.randbits(62)
         while sid in self.sessions or sid == 0:
@@ -128,6 +131,8 @@ class SessionTable:
                                      num_pages=namespace.geometry.num_pages, handle=handle_of(sid))
         session = Session(sid, namespace, client, peer, fence, now, now)
         self.sessions[sid] = session
+        if self.limits is not None:
+            self.limits.session_opened(peer, sid, fence is not None)
         return session
 
     def get(self, sid: int, peer: bytes) -> Session | None:
@@ -145,6 +150,8 @@ class SessionTable:
         session, or a fence already free: then everything is freed now).
         """
         self.sessions.pop(session.id, None)
+        if self.limits is not None:
+            self.limits.session_ended(session.id)
         if session.namespace is None or session.fence is None:
             return None
         index = session.namespace.index

@@ -8,7 +8,10 @@ from hisparse import errors
 
 VERSION = 2  # 2: fences, unpin by page, sessions bound to their connection
 
-MAX_FRAME_BYTES = 8 << 20  # a larger frame is refused before it is decoded
+# A larger frame is never read: the daemon's ZeroMQ socket drops the connection
+# at its header (ZMQ_MAXMSGSIZE). The largest legal request, a publish of
+# 2 x 16,384 keys of 64 B, is 2.2 MB.
+MAX_FRAME_BYTES = 4 << 20
 MAX_KEYS_PER_REQUEST = 16_384  # 1M tokens at block size 64; clients split longer chains. Small enough
 # that one request costs the loop a few ms (what a flooding peer may delay others by)
 MIN_KEY_BYTES = 1
@@ -143,10 +146,11 @@ _ERROR_CLASSES: dict[ErrorCode, type[errors.HisparseError]] = {
 class WireError(Exception):
     """Raised while decoding or handling a request; becomes an error reply."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, rid: int | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.rid = rid  # the request's id when it was read before the fault: the reply names it
 
 
 def error_for_code(code: str, message: str) -> errors.HisparseError:

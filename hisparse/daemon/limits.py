@@ -1,0 +1,195 @@
+"""What the daemon admits: sessions, connections and file descriptors, each capped by name.
+
+Every cap is a config key (``hisparse.daemon.config``) and every refusal a
+``QUOTA_EXCEEDED`` reply (or, for a connection, a refusal) whose message
+names the key, so an operator knows what to raise and an engine what it hit.
+
+- **Sessions**: at most ``max_sessions_per_connection`` on one connection (a
+  pipelined hello flood stops there), ``max_sessions_per_uid`` for one peer,
+  ``max_sessions`` in all.
+- **Connections**: at most ``max_connections``, ``max_connections_per_uid``
+  for one peer (``daemon.connections`` enforces them).
+- **File descriptors**: the soft ``RLIMIT_NOFILE`` is raised to the hard one
+  at start; a session (its fence file) and a connection each cost one, and
+  no new one is admitted once the count would come within ``fd_headroom`` of
+  the limit. libzmq aborts the whole process when ``accept`` meets ``EMFILE``
+  ("Too many open files"), so the daemon refuses well before the kernel would.
+
+**Peer = uid**, as the kernel reports it for the connecting process
+(``SO_PEERCRED``, which libzmq hands over in each message's ``Peer-Address``
+as ``:uid:gid:pid`` and which ``getsockopt`` reads from an accepted socket).
+Not the pid: one tenant can fork as many processes as it likes, and one
+engine may open a client per request; a uid is the unit the kernel vouches
+for and separates tenants by. Not the hello's ``client`` text: a peer
+claims it. The pid is kept for logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hisparse.protocol import ErrorCode, WireError
+
+log = logging.getLogger(__name__)
+
+FDS_PER_SESSION = 1  # its fence file (the mapping keeps no descriptor)
+FDS_PER_CONNECTION = 1
+FD_RECOUNT_INTERVAL_S = 1.0
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= hard:
+        return hard if soft == resource.RLIM_INFINITY else soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise RLIMIT_NOFILE from %d to %d: %s", soft, hard, exc)
+        return soft
+
+
+def count_open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # the listing's own descriptor
+    except OSError:
+        return 0
+
+
+def parse_peer_address(text: str | None) -> tuple[int | None, int | None]:
+    """(uid, pid) from libzmq's ipc ``Peer-Address`` (``...:uid:gid:pid``); Nones when absent."""
+    if not text:
+        return None, None
+    parts = text.rsplit(":", 3)
+    if len(parts) != 4:
+        return None, None
+    try:
+        return int(parts[1]), int(parts[3])
+    except ValueError:
+        return None, None
+
+
+@dataclass
+class Peer:
+    """One ZeroMQ connection as the daemon knows it (by its routing id)."""
+
+    uid: int | None
+    pid: int | None
+    sessions: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Caps:
+    max_sessions: int
+    max_sessions_per_connection: int
+    max_sessions_per_uid: int
+    max_connections: int
+    max_connections_per_uid: int
+    fd_headroom: int
+
+
+def caps_of(cfg) -> Caps:
+    """The caps a ``Config`` sets."""
+    return Caps(cfg.max_sessions, cfg.max_sessions_per_connection, cfg.max_sessions_per_uid,
+                cfg.max_connections, cfg.max_connections_per_uid, cfg.fd_headroom)
+
+
+class Limits:
+    """Counts of what each connection and peer holds, and the admission checks on them."""
+
+    def __init__(self, caps: Caps, fd_limit: int | None = None) -> None:
+        self.caps = caps
+        self.fd_limit = fd_limit if fd_limit is not None else resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.peers: dict[bytes, Peer] = {}  # routing id -> connection
+        self.owner: dict[int, bytes] = {}  # session id -> routing id of its connection
+        self.uid_sessions: Counter[int | None] = Counter()
+        self.fds_counted = count_open_fds()
+        self.fds_since_count = 0  # descriptors admitted since the last count (ends are not subtracted)
+        self.refused: Counter[str] = Counter()  # limit name -> refusals
+
+    # -- file descriptors --
+
+    @property
+    def fds_in_use(self) -> int:
+        """An upper estimate: the last count plus everything admitted since."""
+        return self.fds_counted + self.fds_since_count
+
+    @property
+    def fd_budget(self) -> int:
+        return self.fd_limit - self.caps.fd_headroom
+
+    def recount_fds(self) -> None:
+        self.fds_counted = count_open_fds()
+        self.fds_since_count = 0
+
+    def fds_available(self, cost: int) -> bool:
+        return self.fds_in_use + cost <= self.fd_budget
+
+    # -- connections --
+
+    def peer(self, identity: bytes, peer_address: str | None = None) -> Peer:
+        known = self.peers.get(identity)
+        if known is None:
+            uid, pid = parse_peer_address(peer_address)
+            known = self.peers[identity] = Peer(uid, pid)
+        return known
+
+    def forget_idle_peers(self) -> None:
+        """Drop the records of connections that hold no session (the reaper, every second):
+        one that is still there is read again, once, as a new one."""
+        for identity in [i for i, p in self.peers.items() if not p.sessions]:
+            del self.peers[identity]
+
+    # -- sessions --
+
+    def admit_session(self, identity: bytes, live_sessions: int, fenced_sessions: int) -> None:
+        """Refuse a new session (QUOTA_EXCEEDED naming the cap) when any cap is reached."""
+        caps = self.caps
+        peer = self.peers.get(identity) or Peer(None, None)
+        if len(peer.sessions) >= caps.max_sessions_per_connection:
+            self._refuse("max_sessions_per_connection", caps.max_sessions_per_connection,
+                         f"this connection holds {len(peer.sessions)} sessions; close some (bye) first")
+        if self.uid_sessions[peer.uid] >= caps.max_sessions_per_uid:
+            self._refuse("max_sessions_per_uid", caps.max_sessions_per_uid,
+                         f"uid {peer.uid} holds {self.uid_sessions[peer.uid]} sessions")
+        if live_sessions >= caps.max_sessions:
+            self._refuse("max_sessions", caps.max_sessions, f"the daemon holds {live_sessions} sessions")
+        if not self.fds_available(FDS_PER_SESSION):
+            self._refuse("fd_headroom", caps.fd_headroom,
+                         f"{self.fds_in_use} of RLIMIT_NOFILE {self.fd_limit} file descriptors are "
+                         f"in use ({live_sessions} sessions, {fenced_sessions} fenced); the daemon "
+                         "keeps the headroom free")
+
+    def session_opened(self, identity: bytes, session_id: int, has_fence: bool) -> None:
+        peer = self.peer(identity)
+        peer.sessions.add(session_id)
+        self.owner[session_id] = identity
+        self.uid_sessions[peer.uid] += 1
+        if has_fence:
+            self.fds_since_count += FDS_PER_SESSION
+
+    def session_ended(self, session_id: int) -> None:
+        identity = self.owner.pop(session_id, None)
+        peer = self.peers.get(identity) if identity is not None else None
+        if peer is None:
+            return
+        peer.sessions.discard(session_id)
+        self.uid_sessions[peer.uid] -= 1
+        if self.uid_sessions[peer.uid] <= 0:
+            del self.uid_sessions[peer.uid]
+
+    def _refuse(self, key: str, limit: int, detail: str) -> None:
+        self.refused[key] += 1
+        raise WireError(ErrorCode.QUOTA_EXCEEDED, f"hello refused: {key} ({limit}) reached: {detail}")
+
+    def stats(self) -> dict[str, int]:
+        return {"connections_known": len(self.peers), "fd_limit": self.fd_limit,
+                "fds_in_use": self.fds_in_use,
+                "sessions_refused": sum(self.refused.values())}
