@@ -10,6 +10,16 @@ it), after answering its first request with ``QUOTA_EXCEEDED`` naming the
 cap when that comes within ``REFUSAL_GRACE_S``. A refusal for descriptors
 is immediate: the point is to keep them.
 
+libzmq aborts the process when its ``accept`` meets EMFILE, and the
+listener cannot be paused (unbinding ends every connection it accepted;
+shutting it makes libzmq's next ``accept`` fail with EINVAL, another abort).
+So the guard closes the door instead: at the descriptor budget the socket
+file's mode goes to 0 (``regulate``) and the kernel refuses every connect;
+a connection accepted meanwhile is shut at once, and the headroom above the
+budget (``Limits.headroom``) absorbs the listen backlog and what libzmq
+accepted before the guard read the event. The server reads
+connection events between requests too, so a busy loop sheds in time.
+
 Before shutting a descriptor down the guard checks that it is still a unix
 socket on the daemon's own path, so a number libzmq has closed and the
 process reused is never touched.
@@ -18,6 +28,7 @@ process reused is never touched.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
 import time
@@ -31,6 +42,9 @@ from hisparse.daemon.limits import FDS_PER_CONNECTION, Limits
 log = logging.getLogger(__name__)
 
 REFUSAL_GRACE_S = 0.5  # a refused connection may still read why, this long
+SOCKET_MODE = 0o660
+BACKLOG = 64  # connects the kernel queues for libzmq to accept: well within any headroom
+REOPEN_MARGIN_FDS = 16
 LOG_INTERVAL_S = 5.0
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -56,7 +70,7 @@ def _shutdown_if_ours(fd: int, path: str) -> bool:
     except OSError:
         return False
     try:
-        if sock.family != socket.AF_UNIX or sock.getsockname() != path:
+        if sock.family != socket.AF_UNIX or os.path.normpath(sock.getsockname()) != path:
             return False
         sock.shutdown(socket.SHUT_RDWR)
         return True
@@ -67,13 +81,16 @@ def _shutdown_if_ours(fd: int, path: str) -> bool:
 
 
 class ConnectionGuard:
-    def __init__(self, router: zmq.Socket, limits: Limits, socket_path: str) -> None:
+    def __init__(self, router: zmq.Socket, limits: Limits, socket_path: str, endpoint: str) -> None:
         self.limits = limits
         self.path = socket_path
+        self.router = router
+        self.endpoint = endpoint
         self.monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.open: dict[int, int | None] = {}  # descriptor -> uid of an admitted connection
         self.uid_connections: Counter[int | None] = Counter()
         self.refusing: dict[int, tuple[float, str]] = {}  # descriptor -> (deadline, message)
+        self.listening = False  # the socket file's mode lets peers connect
         self.refused: Counter[str] = Counter()
         self._logged_s = 0.0
 
@@ -99,6 +116,35 @@ class ConnectionGuard:
         for fd in accepted:
             self._accepted(fd)
         self.expire_refusals()
+        self.regulate()
+
+    def bind(self) -> None:
+        self.router.setsockopt(zmq.BACKLOG, BACKLOG)
+        self.router.bind(self.endpoint)
+        os.chmod(self.path, SOCKET_MODE)
+        self.listening = True
+
+    def regulate(self) -> None:
+        """Close the door while descriptors are at their budget; open it again below.
+
+        The door is the socket file's mode: ``connect(2)`` on a unix socket
+        needs write permission on it, so at mode 0 the kernel refuses every
+        new connect (EACCES) before libzmq could accept it, while every
+        connection already open goes on. (Root ignores modes: a root peer is
+        only shed.) At most the listen backlog (``BACKLOG``) is accepted after.
+        """
+        limits = self.limits
+        if self.listening and not limits.fds_available(0):
+            os.chmod(self.path, 0)
+            self.listening = False
+            self.refused["fd_headroom"] += 1
+            log.warning("closed the socket to new connections: %d of RLIMIT_NOFILE %d descriptors in "
+                        "use (headroom %d kept free); open again below %d", limits.fds_in_use,
+                        limits.fd_limit, limits.headroom, limits.fd_budget - REOPEN_MARGIN_FDS)
+        elif not self.listening and limits.fds_in_use + REOPEN_MARGIN_FDS <= limits.fd_budget:
+            os.chmod(self.path, SOCKET_MODE)
+            self.listening = True
+            log.warning("the socket takes connections again: %d descriptors in use", limits.fds_in_use)
 
     def _accepted(self, fd: int) -> None:
         limits, caps = self.limits, self.limits.caps
@@ -106,7 +152,8 @@ class ConnectionGuard:
         creds = peer_credentials(fd)
         uid = creds[0] if creds else None
         if not limits.fds_available(0):
-            self._refuse(fd, "fd_headroom", caps.fd_headroom,
+            self.regulate()  # close the door first: the next connects are the kernel's to refuse
+            self._refuse(fd, "fd_headroom", limits.headroom,
                          f"{limits.fds_in_use} of RLIMIT_NOFILE {limits.fd_limit} descriptors in use",
                          now=True)
         elif len(self.open) >= caps.max_connections:
@@ -152,6 +199,32 @@ class ConnectionGuard:
             if deadline <= now:
                 del self.refusing[fd]
                 _shutdown_if_ours(fd, self.path)
+
+    def recv(self, sock: zmq.Socket) -> tuple[bytes, list[bytes], list[bytes], str | None]:
+        """One message: (identity, envelope, body frames, refusal of its connection or None).
+
+        A connection's first message is read as a zmq.Frame, for the kernel's
+        word on who sent it (``Peer-Address``) and its descriptor; later ones
+        as plain bytes, the cheaper read. Raises ``zmq.Again`` when none waits.
+        """
+        identity = sock.recv(zmq.NOBLOCK)
+        known = identity in self.limits.peers
+        parts: list[bytes] = []
+        refusal = None
+        while sock.getsockopt(zmq.RCVMORE):
+            if known:
+                parts.append(sock.recv())
+                continue
+            frame = sock.recv(copy=False)
+            refusal = self.refusal_for(frame.get(zmq.SRCFD))
+            if refusal is None:
+                self.limits.peer(identity, frame.get("Peer-Address"))
+                known = True
+            parts.append(frame.bytes)
+        # A DEALER sends [payload]; a REQ sends ["", payload]: answer in kind.
+        if len(parts) == 2 and parts[0] == b"":
+            return identity, [b""], parts[1:], refusal
+        return identity, [], parts, refusal
 
     def stats(self) -> dict[str, int]:
         return {"connections": len(self.open), "connections_refused": sum(self.refused.values())}

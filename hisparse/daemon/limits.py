@@ -10,10 +10,15 @@ names the key, so an operator knows what to raise and an engine what it hit.
 - **Connections**: at most ``max_connections``, ``max_connections_per_uid``
   for one peer (``daemon.connections`` enforces them).
 - **File descriptors**: the soft ``RLIMIT_NOFILE`` is raised to the hard one
-  at start; a session (its fence file) and a connection each cost one, and
-  no new one is admitted once the count would come within ``fd_headroom`` of
-  the limit. libzmq aborts the whole process when ``accept`` meets ``EMFILE``
-  ("Too many open files"), so the daemon refuses well before the kernel would.
+  at start; a session costs two (its fence file, and the duplicate of it
+  Python's mmap keeps), a connection one, and no new one is admitted once
+  the count would come within the headroom of the limit (``fd_headroom``,
+  or an eighth of the limit when more). libzmq aborts the
+  whole process when ``accept`` meets ``EMFILE``
+  ("Too many open files", ipc_listener.cpp), so the daemon refuses well before
+  the kernel would: past its budget, it sheds every new connection at once
+  (``daemon.connections``), and the headroom absorbs what libzmq accepts
+  before the daemon has seen it.
 
 **Peer = uid**, as the kernel reports it for the connecting process
 (``SO_PEERCRED``, which libzmq hands over in each message's ``Peer-Address``
@@ -29,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -36,9 +42,10 @@ from hisparse.protocol import ErrorCode, WireError
 
 log = logging.getLogger(__name__)
 
-FDS_PER_SESSION = 1  # its fence file (the mapping keeps no descriptor)
+FDS_PER_SESSION = 2  # its fence file, and the duplicate Python's mmap keeps of it
 FDS_PER_CONNECTION = 1
 FD_RECOUNT_INTERVAL_S = 1.0
+EDGE_RECOUNT_INTERVAL_S = 0.05  # near the budget the estimate is replaced by a count this often
 
 
 def raise_fd_limit() -> int:
@@ -112,6 +119,7 @@ class Limits:
         self.uid_sessions: Counter[int | None] = Counter()
         self.fds_counted = count_open_fds()
         self.fds_since_count = 0  # descriptors admitted since the last count (ends are not subtracted)
+        self._counted_s = time.monotonic()
         self.refused: Counter[str] = Counter()  # limit name -> refusals
 
     # -- file descriptors --
@@ -122,14 +130,25 @@ class Limits:
         return self.fds_counted + self.fds_since_count
 
     @property
+    def headroom(self) -> int:
+        """Descriptors kept free: ``fd_headroom``, or an eighth of the limit when that is more
+        (what libzmq may accept between the budget being reached and the listener shut)."""
+        return max(self.caps.fd_headroom, self.fd_limit // 8)
+
+    @property
     def fd_budget(self) -> int:
-        return self.fd_limit - self.caps.fd_headroom
+        return self.fd_limit - self.headroom
 
     def recount_fds(self) -> None:
         self.fds_counted = count_open_fds()
         self.fds_since_count = 0
+        self._counted_s = time.monotonic()
 
     def fds_available(self, cost: int) -> bool:
+        if self.fds_in_use + cost <= self.fd_budget:
+            return True
+        if time.monotonic() - self._counted_s > EDGE_RECOUNT_INTERVAL_S:  # at the edge: count for real
+            self.recount_fds()
         return self.fds_in_use + cost <= self.fd_budget
 
     # -- connections --
@@ -162,7 +181,7 @@ class Limits:
         if live_sessions >= caps.max_sessions:
             self._refuse("max_sessions", caps.max_sessions, f"the daemon holds {live_sessions} sessions")
         if not self.fds_available(FDS_PER_SESSION):
-            self._refuse("fd_headroom", caps.fd_headroom,
+            self._refuse("fd_headroom", self.headroom,
                          f"{self.fds_in_use} of RLIMIT_NOFILE {self.fd_limit} file descriptors are "
                          f"in use ({live_sessions} sessions, {fenced_sessions} fenced); the daemon "
                          "keeps the headroom free")

@@ -29,6 +29,7 @@ from hisparse.daemon.limits import raise_fd_limit
 from hisparse.daemon.namespaces import Registry
 from hisparse.daemon.server import Server, endpoint_for
 from hisparse.daemon.sessions import SessionTable
+from hisparse.daemon.sweep import FenceSweep
 from hisparse.errors import HisparseError
 from hisparse.layout import format_size
 from hisparse.paths import access_key_path
@@ -201,13 +202,13 @@ def run(cfg: config_mod.Config) -> int:
     os.makedirs(fence_dir, mode=FENCE_DIR_MODE, exist_ok=True)
     trust.private_dir(fence_dir, "fence directory (fences/ beside the socket)", create=False)
     sessions = SessionTable(cfg.lease_ttl_s)
-    # Sessions of the earlier run are gone, but their processes may still be
-    # copying: their pages stay fenced until each process lets go.
-    adopted, removed = sessions.adopt_fences(fence_dir, registry)
-    if adopted or removed:
-        log.info("fences of the earlier run: %d still held (their pages stay fenced), %d released",
-                 adopted, removed)
     ctx = DaemonContext(cfg, registry, sessions, admin_token="", fence_dir=fence_dir, access=access)
+    # Sessions of the earlier run are gone, but their processes may still be
+    # copying: their pages stay fenced until each process lets go. The sweep
+    # runs while the socket serves; what takes pages waits for it.
+    ctx.fence_sweep = FenceSweep(sessions, fence_dir, registry)
+    if ctx.fence_sweep.total:
+        log.info("%d fences of the earlier run to sweep (served meanwhile)", ctx.fence_sweep.total)
     if cfg.cluster.enabled:
         ctx.cluster = _cluster_tier(cfg.cluster)
     endpoint = endpoint_for(cfg.socket)

@@ -24,6 +24,7 @@ from hisparse.daemon.connections import ConnectionGuard
 from hisparse.daemon.handlers import HANDLERS, DaemonContext, Deferred
 from hisparse.daemon.limits import FD_RECOUNT_INTERVAL_S, Limits, caps_of
 from hisparse.daemon.outbox import Outbox
+from hisparse.daemon.sweep import GATED_OPS
 from hisparse.protocol import ErrorCode, Op, WireError
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,12 @@ def serve_request(ctx: DaemonContext, req: protocol.Request, peer: bytes,
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s id=%s session=%s", req.op.value, rid,
                       session.handle if session else "-")
-        body = HANDLERS[req.op](ctx, session, req)
+        sweep = ctx.fence_sweep
+        if sweep is not None and req.op in GATED_OPS and sweep.running:  # pages wait for the sweep
+            body = sweep.after(lambda: HANDLERS[req.op](ctx, session, req),
+                               lambda: session is None or ctx.sessions.sessions.get(session.id) is session)
+        else:
+            body = HANDLERS[req.op](ctx, session, req)
         if isinstance(body, Deferred):
             # the request's latency runs until the work off the loop is done
             body.future.add_done_callback(
@@ -141,7 +147,7 @@ class Server:
         self.outbox = Outbox(self.sock)
         self.limits = Limits(caps_of(ctx.config))
         ctx.sessions.limits = self.limits
-        self.guard = ConnectionGuard(self.sock, self.limits, ctx.config.socket)
+        self.guard = ConnectionGuard(self.sock, self.limits, endpoint.removeprefix("ipc://"), endpoint)
         ctx.transport_stats = lambda: {"replies_dropped": self.outbox.dropped_replies,
                                        "replies_queued_bytes": self.outbox.queued_bytes,
                                        **self.guard.stats(), **self.limits.stats()}
@@ -153,7 +159,7 @@ class Server:
     # -- lifecycle --
 
     def bind(self) -> None:
-        self.sock.bind(self.endpoint)
+        self.guard.bind()
 
     def stop(self, reason: str) -> None:
         """Ask the loop to stop; safe from any thread."""
@@ -186,8 +192,12 @@ class Server:
             from hisparse.daemon.metrics import MetricsServer
 
             metrics = MetricsServer(self.ctx, self.ctx.config.metrics_endpoint)
+        if self.ctx.fence_sweep is not None:  # while it runs, ops that take pages wait for it
+            self.ctx.fence_sweep.done = loop.create_future()
         timers = [asyncio.create_task(self._reaper()), asyncio.create_task(self._eviction_log()),
                   asyncio.create_task(self._loop_lag()), asyncio.create_task(self.outbox.run())]
+        if self.ctx.fence_sweep is not None:
+            timers.append(asyncio.create_task(self.ctx.fence_sweep.run()))
         try:
             if metrics is not None:
                 await metrics.start()  # before READY: a bad address stops the start
@@ -217,9 +227,11 @@ class Server:
         sock = self.sock
         try:
             deadline = time.monotonic() + MAX_BATCH_S
-            for _ in range(MAX_BATCH):
+            for i in range(MAX_BATCH):
+                if i % 16 == 15:  # connection events are not kept waiting by a busy batch
+                    self.guard.on_events()
                 try:
-                    identity, envelope, body, refusal = self._recv()
+                    identity, envelope, body, refusal = self.guard.recv(sock)
                 except zmq.Again:
                     break
                 self._handle(identity, envelope, body, refusal)
@@ -240,33 +252,6 @@ class Server:
                 asyncio.get_running_loop().call_soon(self._on_connection_events)
         except Exception:
             log.error("error reading connection events; serving on", exc_info=True)
-
-    def _recv(self) -> tuple[bytes, list[bytes], list[bytes], str | None]:
-        """One message: (identity, envelope, body frames, refusal of its connection or None).
-
-        A connection's first message is read as a zmq.Frame, for the kernel's
-        word on who sent it (``Peer-Address``) and its descriptor; later ones
-        as plain bytes, the cheaper read.
-        """
-        sock = self.sock
-        identity = sock.recv(zmq.NOBLOCK)
-        known = identity in self.limits.peers
-        parts: list[bytes] = []
-        refusal = None
-        while sock.getsockopt(zmq.RCVMORE):
-            if known:
-                parts.append(sock.recv())
-                continue
-            frame = sock.recv(copy=False)
-            refusal = self.guard.refusal_for(frame.get(zmq.SRCFD))
-            if refusal is None:
-                self.limits.peer(identity, frame.get("Peer-Address"))
-                known = True
-            parts.append(frame.bytes)
-        # A DEALER sends [payload]; a REQ sends ["", payload]: answer in kind.
-        if len(parts) == 2 and parts[0] == b"":
-            return identity, [b""], parts[1:], refusal
-        return identity, [], parts, refusal
 
     def _handle(self, identity: bytes, envelope: list[bytes], body: list[bytes],
                 refusal: str | None) -> None:
@@ -328,6 +313,7 @@ class Server:
                     recounted_s = time.monotonic()
                     self.limits.recount_fds()
                     self.limits.forget_idle_peers()
+                    self.guard.regulate()
             except Exception:
                 log.error("error in the lease reaper; serving on", exc_info=True)
 

@@ -21,7 +21,6 @@ handle (the id's first hex digits), never the id itself.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import secrets
@@ -34,6 +33,14 @@ from hisparse.errors import InvalidArgument
 from hisparse.shm.fence import FENCE_SUFFIX, LOST, FenceFile
 
 log = logging.getLogger(__name__)
+
+
+def fence_paths(fence_dir: str) -> Iterator[str]:
+    """The fence files in ``fence_dir``, listed lazily (a directory of many costs no list)."""
+    with os.scandir(fence_dir) as entries:
+        for entry in entries:
+            if entry.name.endswith(FENCE_SUFFIX):
+                yield entry.path
 
 
 def handle_of(session_id: int) -> str:
@@ -216,34 +223,42 @@ class SessionTable:
     def adopt_fences(self, fence_dir: str, registry: Registry) -> tuple[int, int]:
         """After a restart: fence the pages of every earlier session whose process may live on.
 
-        Returns (zombies adopted, fence files removed). A fence of an unknown
-        namespace or another region holds nothing of ours and is removed;
-        one that is not ours to trust is logged and left alone.
+        Returns (zombies adopted, fence files removed). The daemon itself
+        sweeps file by file while it serves (``hisparse.daemon.sweep``).
         """
         adopted = removed = 0
-        for path in sorted(glob.glob(os.path.join(fence_dir, f"*{FENCE_SUFFIX}"))):
-            try:
-                fence = FenceFile.adopt(path, owner_uid=os.geteuid())
-            except (InvalidArgument, OSError) as exc:
-                log.warning("not adopting fence %s: %s; left alone", path, exc)
-                continue
-            ns = registry.namespaces.get(fence.header.namespace)
-            if (ns is None or ns.region_id != fence.header.region_id
-                    or ns.geometry.num_pages != fence.header.num_pages or fence.holder_gone()):
-                fence.close(unlink=True)
-                removed += 1
-                continue
-            pages, reserved, pins = fence.held_pages()
-            fenced, pinned = ns.index.adopt_fence(pages.tolist(), reserved.tolist(), pins.tolist())
-            fence.set_state(LOST)
-            zombie = Zombie(fence.header.handle, ns, "(from an earlier daemon run)", fence,
-                            "daemon restart", self._clock(), fence.header.created_unix_s,
-                            fenced, pinned)
-            self.zombies[fence.name] = zombie
-            adopted += 1
-            log.info("fenced %d pages and %d pins of %s until its process lets go",
-                     len(fenced), sum(pinned.values()), zombie.describe())
+        for path in sorted(fence_paths(fence_dir)):
+            outcome = self.adopt_fence(path, registry)
+            adopted += outcome == "adopted"
+            removed += outcome == "removed"
         return adopted, removed
+
+    def adopt_fence(self, path: str, registry: Registry) -> str:
+        """One fence file of an earlier run: "adopted", "removed" or "left" (not ours to trust).
+
+        A fence of an unknown namespace or another region holds nothing of
+        ours and is removed; one that is not ours to trust is logged and left.
+        """
+        try:
+            fence = FenceFile.adopt(path, owner_uid=os.geteuid())
+        except (InvalidArgument, OSError) as exc:
+            log.warning("not adopting fence %s: %s; left alone", path, exc)
+            return "left"
+        ns = registry.namespaces.get(fence.header.namespace)
+        if (ns is None or ns.region_id != fence.header.region_id
+                or ns.geometry.num_pages != fence.header.num_pages or fence.holder_gone()):
+            fence.close(unlink=True)
+            return "removed"
+        pages, reserved, pins = fence.held_pages()
+        fenced, pinned = ns.index.adopt_fence(pages.tolist(), reserved.tolist(), pins.tolist())
+        fence.set_state(LOST)
+        zombie = Zombie(fence.header.handle, ns, "(from an earlier daemon run)", fence,
+                        "daemon restart", self._clock(), fence.header.created_unix_s,
+                        fenced, pinned)
+        self.zombies[fence.name] = zombie
+        log.info("fenced %d pages and %d pins of %s until its process lets go",
+                 len(fenced), sum(pinned.values()), zombie.describe())
+        return "adopted"
 
     def detach_all(self) -> None:
         """Shutdown: leave every fence to the successor (its holders may still be copying)."""
