@@ -87,12 +87,13 @@ class Config:
     namespaces: dict[str, NamespaceConfig] = field(default_factory=dict)
     # What the daemon admits (hisparse.daemon.limits; a refusal is QUOTA_EXCEEDED naming the key).
     # A peer is a uid, as the kernel reports the connecting process.
-    max_sessions: int = 4096
-    max_sessions_per_connection: int = 64
-    max_sessions_per_uid: int = 1024
-    max_connections: int = 1024
-    max_connections_per_uid: int = 256
+    max_sessions: int = 2048
+    max_sessions_per_connection: int = 16
+    max_sessions_per_uid: int = 512
+    max_connections: int = 512
+    max_connections_per_uid: int = 128
     fd_headroom: int = 128  # descriptors of RLIMIT_NOFILE no session or connection may take
+    max_request_bytes_in_flight: int = 256 << 20  # what connections sending large frames may hold
     lease_ttl_s: float = 10.0
     log_level: str = "INFO"
     admin_token_file: str | None = None  # None: hisparsed.token beside the socket
@@ -138,6 +139,7 @@ class Config:
                 f"{self.max_sessions_per_connection} per connection "
                 f"max_connections={self.max_connections}/{self.max_connections_per_uid} per uid "
                 f"fd_headroom={self.fd_headroom} "
+                f"max_request_bytes_in_flight={format_size(self.max_request_bytes_in_flight)} "
                 f"lease_ttl={self.lease_ttl_s}s log_level={self.log_level} fresh={self.fresh} "
                 f"metrics={self.metrics_endpoint or 'off'}"
                 f"{' (the default beside the socket is too long a path)' if self.metrics_address is None and not self.metrics_endpoint else ''} "
@@ -230,6 +232,7 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "session_reserve_share": ("session_reserve_share", _share),
     **{key: (key, _count) for key in ("max_sessions", "max_sessions_per_connection", "max_sessions_per_uid",
                                       "max_connections", "max_connections_per_uid", "fd_headroom")},
+    "max_request_bytes_in_flight": ("max_request_bytes_in_flight", _size),
     "lease_ttl": ("lease_ttl_s", _ttl),
     "log_level": ("log_level", _level),
     "admin_token_file": ("admin_token_file", _path),

@@ -2,7 +2,8 @@
 
 libzmq accepts every connection itself and tells the application only
 through the socket monitor (``EVENT_ACCEPTED`` carries the new descriptor,
-``EVENT_DISCONNECTED`` its end). The guard reads those events on the loop,
+``EVENT_DISCONNECTED`` its end). The guard reads those events on the loop
+(between requests too, so a busy loop is not late for them),
 asks the kernel who connected (``SO_PEERCRED`` on the descriptor) and, past
 ``max_connections``, ``max_connections_per_uid`` or the descriptor budget,
 refuses the connection: it is shut down (``shutdown(2)``; libzmq then closes
@@ -42,8 +43,9 @@ from hisparse.daemon.limits import FDS_PER_CONNECTION, Limits
 log = logging.getLogger(__name__)
 
 REFUSAL_GRACE_S = 0.5  # a refused connection may still read why, this long
+MAX_REFUSING = 16  # refusals answered at once; more are shed at once, unanswered
 SOCKET_MODE = 0o660
-BACKLOG = 64  # connects the kernel queues for libzmq to accept: well within any headroom
+BACKLOG = 16  # connects the kernel queues for libzmq to accept: well within any headroom
 REOPEN_MARGIN_FDS = 16
 LOG_INTERVAL_S = 5.0
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -86,7 +88,10 @@ class ConnectionGuard:
         self.path = socket_path
         self.router = router
         self.endpoint = endpoint
-        self.monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        # A name of its own: pyzmq's default names it by the router's descriptor number, which a
+        # later daemon in the same process (the in-process tests) may get while the old one lingers.
+        self.monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED,
+                                                 addr=f"inproc://hisparsed-monitor-{os.urandom(8).hex()}")
         self.open: dict[int, int | None] = {}  # descriptor -> uid of an admitted connection
         self.uid_connections: Counter[int | None] = Counter()
         self.refusing: dict[int, tuple[float, str]] = {}  # descriptor -> (deadline, message)
@@ -109,6 +114,9 @@ class ConnectionGuard:
             fd = int(event["value"])
             if event["event"] == zmq.EVENT_ACCEPTED:
                 accepted.append(fd)
+                self.limits.fds_since_count += FDS_PER_CONNECTION
+                if self.listening and not self.limits.fds_available(0):
+                    self.regulate()  # close the door before the rest of the batch is looked at
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 if fd in accepted:
                     accepted.remove(fd)
@@ -141,14 +149,14 @@ class ConnectionGuard:
             log.warning("closed the socket to new connections: %d of RLIMIT_NOFILE %d descriptors in "
                         "use (headroom %d kept free); open again below %d", limits.fds_in_use,
                         limits.fd_limit, limits.headroom, limits.fd_budget - REOPEN_MARGIN_FDS)
-        elif not self.listening and limits.fds_in_use + REOPEN_MARGIN_FDS <= limits.fd_budget:
+        elif (not self.listening
+              and limits.fds_in_use + REOPEN_MARGIN_FDS <= limits.fd_budget):
             os.chmod(self.path, SOCKET_MODE)
             self.listening = True
             log.warning("the socket takes connections again: %d descriptors in use", limits.fds_in_use)
 
     def _accepted(self, fd: int) -> None:
         limits, caps = self.limits, self.limits.caps
-        limits.fds_since_count += FDS_PER_CONNECTION
         creds = peer_credentials(fd)
         uid = creds[0] if creds else None
         if not limits.fds_available(0):
@@ -177,7 +185,7 @@ class ConnectionGuard:
     def _refuse(self, fd: int, key: str, limit: int, detail: str, *, now: bool = False) -> None:
         self.refused[key] += 1
         message = f"connection refused: {key} ({limit}) reached: {detail}"
-        if now:
+        if now or len(self.refusing) >= MAX_REFUSING:  # a flood of them is shed unanswered
             _shutdown_if_ours(fd, self.path)
         else:
             self.refusing[fd] = (time.monotonic() + REFUSAL_GRACE_S, message)
@@ -186,11 +194,12 @@ class ConnectionGuard:
             log.warning("%s (refusals so far: %s)", message, dict(self.refused))
 
     def refusal_for(self, fd: int | None) -> str | None:
-        """The refusal message when a request came on a connection being refused."""
+        """The refusal message when a request came on a connection being refused ("" once it
+        was answered: the rest are dropped unread)."""
         if fd is None or fd not in self.refusing:
             return None
         deadline, message = self.refusing[fd]
-        self.refusing[fd] = (min(deadline, time.monotonic() + 0.05), message)  # the reply goes first
+        self.refusing[fd] = (min(deadline, time.monotonic() + 0.05), "")  # the reply goes first
         return message
 
     def expire_refusals(self) -> None:
@@ -216,15 +225,27 @@ class ConnectionGuard:
                 parts.append(sock.recv())
                 continue
             frame = sock.recv(copy=False)
-            refusal = self.refusal_for(frame.get(zmq.SRCFD))
+            fd = frame.get(zmq.SRCFD)
+            refusal = self.refusal_for(fd)
             if refusal is None:
-                self.limits.peer(identity, frame.get("Peer-Address"))
+                self.limits.peer(identity, frame.get("Peer-Address"), fd)
                 known = True
             parts.append(frame.bytes)
         # A DEALER sends [payload]; a REQ sends ["", payload]: answer in kind.
         if len(parts) == 2 and parts[0] == b"":
             return identity, [b""], parts[1:], refusal
         return identity, [], parts, refusal
+
+    def admit_large_frame(self, identity: bytes, size: int, per_connection_bytes: int) -> str | None:
+        """None, or the refusal of a large frame; a refused sender is shed (what libzmq holds
+        for it goes with it)."""
+        peer = self.limits.peers.get(identity)
+        if peer is not None and peer.fd in self.refusing:
+            return ""  # told once already; being shed
+        refusal = self.limits.admit_large_frame(identity, size, per_connection_bytes)
+        if refusal is not None and peer is not None and peer.fd is not None:
+            self.refusing[peer.fd] = (time.monotonic() + 0.05, "")  # this reply goes first
+        return refusal
 
     def stats(self) -> dict[str, int]:
         return {"connections": len(self.open), "connections_refused": sum(self.refused.values())}

@@ -9,6 +9,10 @@ names the key, so an operator knows what to raise and an engine what it hit.
   ``max_sessions`` in all.
 - **Connections**: at most ``max_connections``, ``max_connections_per_uid``
   for one peer (``daemon.connections`` enforces them).
+- **Request bytes in flight**: libzmq holds up to RCVHWM + 1 frames of a
+  connection (``server.py``), so at most ``max_request_bytes_in_flight`` worth
+  of connections may send frames over ``LARGE_FRAME_BYTES`` at once; one more
+  gets ``QUOTA_EXCEEDED`` and is shed (``admit_large_frame``).
 - **File descriptors**: the soft ``RLIMIT_NOFILE`` is raised to the hard one
   at start; a session costs two (its fence file, and the duplicate of it
   Python's mmap keeps), a connection one, and no new one is admitted once
@@ -45,7 +49,9 @@ log = logging.getLogger(__name__)
 FDS_PER_SESSION = 2  # its fence file, and the duplicate Python's mmap keeps of it
 FDS_PER_CONNECTION = 1
 FD_RECOUNT_INTERVAL_S = 1.0
-EDGE_RECOUNT_INTERVAL_S = 0.05  # near the budget the estimate is replaced by a count this often
+EDGE_RECOUNT_INTERVAL_S = 0.05
+LARGE_FRAME_BYTES = 256 << 10  # a 4,000-key lookup; most requests are a few KB
+LARGE_SENDER_S = 1.0  # near the budget the estimate is replaced by a count this often
 
 
 def raise_fd_limit() -> int:
@@ -89,7 +95,9 @@ class Peer:
 
     uid: int | None
     pid: int | None
+    fd: int | None = None  # its socket in this process (libzmq's), to shed it
     sessions: set[int] = field(default_factory=set)
+    large_until_s: float = 0.0  # it counts as a large sender until then
 
 
 @dataclass(frozen=True)
@@ -100,12 +108,14 @@ class Caps:
     max_connections: int
     max_connections_per_uid: int
     fd_headroom: int
+    max_request_bytes_in_flight: int
 
 
 def caps_of(cfg) -> Caps:
     """The caps a ``Config`` sets."""
     return Caps(cfg.max_sessions, cfg.max_sessions_per_connection, cfg.max_sessions_per_uid,
-                cfg.max_connections, cfg.max_connections_per_uid, cfg.fd_headroom)
+                cfg.max_connections, cfg.max_connections_per_uid, cfg.fd_headroom,
+                cfg.max_request_bytes_in_flight)
 
 
 class Limits:
@@ -153,17 +163,43 @@ class Limits:
 
     # -- connections --
 
-    def peer(self, identity: bytes, peer_address: str | None = None) -> Peer:
+    def peer(self, identity: bytes, peer_address: str | None = None, fd: int | None = None) -> Peer:
         known = self.peers.get(identity)
         if known is None:
             uid, pid = parse_peer_address(peer_address)
-            known = self.peers[identity] = Peer(uid, pid)
+            known = self.peers[identity] = Peer(uid, pid, fd)
         return known
 
+    # -- request bytes in flight --
+
+    def admit_large_frame(self, identity: bytes, size: int, per_connection_bytes: int) -> str | None:
+        """None, or why a frame over LARGE_FRAME_BYTES from ``identity`` is refused.
+
+        libzmq may hold up to ``per_connection_bytes`` for a connection that
+        sends large frames (RCVHWM + 1 frames of MAX_FRAME_BYTES); the daemon
+        lets at most ``max_request_bytes_in_flight`` of that exist: a
+        connection counts as a large sender for LARGE_SENDER_S after each large
+        frame, and past the budget a new large sender is refused (and shed).
+        """
+        now = time.monotonic()
+        peer = self.peer(identity)
+        if peer.large_until_s > now:
+            peer.large_until_s = now + LARGE_SENDER_S
+            return None
+        senders = sum(1 for p in self.peers.values() if p.large_until_s > now)
+        if (senders + 1) * per_connection_bytes > self.caps.max_request_bytes_in_flight:
+            self.refused["max_request_bytes_in_flight"] += 1
+            return (f"request refused: max_request_bytes_in_flight ({self.caps.max_request_bytes_in_flight}"
+                    f") reached: {senders} connections are sending frames over {LARGE_FRAME_BYTES} "
+                    f"bytes, each may hold {per_connection_bytes} bytes in the daemon")
+        peer.large_until_s = now + LARGE_SENDER_S
+        return None
+
     def forget_idle_peers(self) -> None:
-        """Drop the records of connections that hold no session (the reaper, every second):
-        one that is still there is read again, once, as a new one."""
-        for identity in [i for i, p in self.peers.items() if not p.sessions]:
+        """Drop the records of connections that hold no session nor send large frames (the
+        reaper, every second): one that is still there is read again, once, as a new one."""
+        now = time.monotonic()
+        for identity in [i for i, p in self.peers.items() if not p.sessions and p.large_until_s < now]:
             del self.peers[identity]
 
     # -- sessions --

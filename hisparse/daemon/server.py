@@ -22,7 +22,7 @@ from hisparse import protocol
 from hisparse.daemon import notify
 from hisparse.daemon.connections import ConnectionGuard
 from hisparse.daemon.handlers import HANDLERS, DaemonContext, Deferred
-from hisparse.daemon.limits import FD_RECOUNT_INTERVAL_S, Limits, caps_of
+from hisparse.daemon.limits import FD_RECOUNT_INTERVAL_S, LARGE_FRAME_BYTES, Limits, caps_of
 from hisparse.daemon.outbox import Outbox
 from hisparse.daemon.sweep import GATED_OPS
 from hisparse.protocol import ErrorCode, Op, WireError
@@ -45,6 +45,7 @@ SNDHWM_MESSAGES = 64
 # header, before allocating it. So a connection holds at most RCVHWM + 1
 # frames of this size in the daemon (queued, and one being read).
 MAX_WIRE_MESSAGE_BYTES = protocol.MAX_FRAME_BYTES
+CONNECTION_REQUEST_BYTES = (RCVHWM_MESSAGES + 1) * MAX_WIRE_MESSAGE_BYTES  # what libzmq may hold for one
 
 
 def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"") -> bytes | tuple[int | None, Deferred]:
@@ -152,6 +153,7 @@ class Server:
                                        "replies_queued_bytes": self.outbox.queued_bytes,
                                        **self.guard.stats(), **self.limits.stats()}
         self._stopping: asyncio.Event | None = None
+        self._reading = False  # inside _on_readable (which checks for more itself)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stop_reason = ""
         ctx.request_shutdown = self.stop
@@ -179,8 +181,8 @@ class Server:
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._on_readable)
         loop.add_reader(self.guard.fd, self._on_connection_events)
-        loop.call_soon(self._on_readable)  # messages that arrived before the reader existed
         loop.call_soon(self._on_connection_events)
+        loop.call_soon(self._on_readable)  # messages that arrived before the reader existed
         if self.ctx.cluster is not None:
             self.ctx.cluster.start(loop)
         if signals:  # only the main thread may; in-process tests run the loop elsewhere
@@ -225,6 +227,7 @@ class Server:
 
     def _on_readable(self) -> None:
         sock = self.sock
+        self._reading = True
         try:
             deadline = time.monotonic() + MAX_BATCH_S
             for i in range(MAX_BATCH):
@@ -243,18 +246,23 @@ class Server:
                 asyncio.get_running_loop().call_soon(self._on_readable)
         except Exception:
             log.error("error in the receive loop; serving on", exc_info=True)
+        finally:
+            self._reading = False
 
     def _on_connection_events(self) -> None:
         try:
             self.guard.on_events()
-            # the monitor's fd is edge-triggered too
-            if self.guard.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if self.guard.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # edge-triggered too
                 asyncio.get_running_loop().call_soon(self._on_connection_events)
         except Exception:
             log.error("error reading connection events; serving on", exc_info=True)
 
     def _handle(self, identity: bytes, envelope: list[bytes], body: list[bytes],
                 refusal: str | None) -> None:
+        if refusal is None and body and len(body[-1]) > LARGE_FRAME_BYTES:
+            refusal = self.guard.admit_large_frame(identity, len(body[-1]), CONNECTION_REQUEST_BYTES)
+        if refusal == "":
+            return  # its connection was told why, once; it is being shed
         if refusal is not None:
             reply = protocol.encode_error(None, ErrorCode.QUOTA_EXCEEDED, refusal)
         elif len(body) != 1:
@@ -272,6 +280,9 @@ class Server:
 
     def _send(self, frames: list[bytes]) -> None:
         self.outbox.send(frames)
+        if not self._reading and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            # a send outside the reader (a deferred reply) can swallow the fd's edge
+            asyncio.get_running_loop().call_soon(self._on_readable)
 
     def _drain(self) -> None:
         """Answer what is already queued before closing (SIGTERM drains)."""

@@ -68,8 +68,8 @@ def test_a_hello_flood_on_one_connection_stops_at_the_session_cap(hisparsed):
             replies.append(protocol.decode_reply(c.sock.recv()))
         ok = [r for r in replies if r.ok is not None]
         refused = [r for r in replies if r.error_code == ErrorCode.QUOTA_EXCEEDED.value]
-        assert len(ok) == 64 and len(refused) == n - 64, [r.error_message for r in replies[:3]]
-        assert "max_sessions_per_connection (64)" in refused[0].error_message
+        assert len(ok) == 16 and len(refused) == n - 16, [r.error_message for r in replies[:3]]
+        assert "max_sessions_per_connection (16)" in refused[0].error_message
         # another connection of the same peer is not this one's cap
         other = RawClient(hisparsed.socket)
         try:
@@ -81,7 +81,8 @@ def test_a_hello_flood_on_one_connection_stops_at_the_session_cap(hisparsed):
 
 
 def test_sessions_per_uid_and_in_total_are_capped_by_name(daemon_factory):
-    d = daemon_factory(env={"HISPARSED_MAX_SESSIONS_PER_UID": "10", "HISPARSED_MAX_SESSIONS": "12"})
+    d = daemon_factory(env={"HISPARSED_MAX_SESSIONS_PER_UID": "10", "HISPARSED_MAX_SESSIONS": "12",
+                            "HISPARSED_MAX_SESSIONS_PER_CONNECTION": "4"})
     clients = [RawClient(d.socket) for _ in range(3)]
     try:
         codes = []
