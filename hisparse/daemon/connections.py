@@ -47,6 +47,9 @@ MAX_REFUSING = 16  # refusals answered at once; more are shed at once, unanswere
 SOCKET_MODE = 0o660
 BACKLOG = 16  # connects the kernel queues for libzmq to accept: well within any headroom
 REOPEN_MARGIN_FDS = 16
+STORM_WINDOW_S = 1.0
+MAX_REFUSALS_PER_S = 64
+STORM_CLOSE_S = 1.0
 LOG_INTERVAL_S = 5.0
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -96,6 +99,9 @@ class ConnectionGuard:
         self.uid_connections: Counter[int | None] = Counter()
         self.refusing: dict[int, tuple[float, str]] = {}  # descriptor -> (deadline, message)
         self.listening = False  # the socket file's mode lets peers connect
+        self._closed_until_s = 0.0
+        self._window_s = 0.0  # refusals counted since then
+        self._window_refusals = 0
         self.refused: Counter[str] = Counter()
         self._logged_s = 0.0
 
@@ -140,16 +146,21 @@ class ConnectionGuard:
         new connect (EACCES) before libzmq could accept it, while every
         connection already open goes on. (Root ignores modes: a root peer is
         only shed.) At most the listen backlog (``BACKLOG``) is accepted after.
+        A storm of refused connections (more than ``MAX_REFUSALS_PER_S``: peers
+        past their caps reconnecting) closes it for ``STORM_CLOSE_S`` too: each
+        refusal costs the loop an accept, and open connections go first.
         """
-        limits = self.limits
-        if self.listening and not limits.fds_available(0):
+        limits, now = self.limits, time.monotonic()
+        storm = self._window_refusals > MAX_REFUSALS_PER_S
+        if self.listening and (storm or not limits.fds_available(0)):
             os.chmod(self.path, 0)
             self.listening = False
-            self.refused["fd_headroom"] += 1
-            log.warning("closed the socket to new connections: %d of RLIMIT_NOFILE %d descriptors in "
-                        "use (headroom %d kept free); open again below %d", limits.fds_in_use,
-                        limits.fd_limit, limits.headroom, limits.fd_budget - REOPEN_MARGIN_FDS)
-        elif (not self.listening
+            self._closed_until_s = now + (STORM_CLOSE_S if storm else 0.0)
+            why = (f"{self._window_refusals} connections refused within {STORM_WINDOW_S}s" if storm else
+                   f"{limits.fds_in_use} of RLIMIT_NOFILE {limits.fd_limit} descriptors in use "
+                   f"(headroom {limits.headroom} kept free)")
+            log.warning("closed the socket to new connections: %s", why)
+        elif (not self.listening and now >= self._closed_until_s
               and limits.fds_in_use + REOPEN_MARGIN_FDS <= limits.fd_budget):
             os.chmod(self.path, SOCKET_MODE)
             self.listening = True
@@ -184,6 +195,7 @@ class ConnectionGuard:
 
     def _refuse(self, fd: int, key: str, limit: int, detail: str, *, now: bool = False) -> None:
         self.refused[key] += 1
+        self._count_refusal()
         message = f"connection refused: {key} ({limit}) reached: {detail}"
         if now or len(self.refusing) >= MAX_REFUSING:  # a flood of them is shed unanswered
             _shutdown_if_ours(fd, self.path)
@@ -192,6 +204,13 @@ class ConnectionGuard:
         if time.monotonic() - self._logged_s > LOG_INTERVAL_S:
             self._logged_s = time.monotonic()
             log.warning("%s (refusals so far: %s)", message, dict(self.refused))
+
+    def _count_refusal(self) -> None:
+        if time.monotonic() - self._window_s > STORM_WINDOW_S:
+            self._window_s, self._window_refusals = time.monotonic(), 0
+        self._window_refusals += 1
+        if self.listening and self._window_refusals > MAX_REFUSALS_PER_S:
+            self.regulate()
 
     def refusal_for(self, fd: int | None) -> str | None:
         """The refusal message when a request came on a connection being refused ("" once it
@@ -245,6 +264,7 @@ class ConnectionGuard:
         refusal = self.limits.admit_large_frame(identity, size, per_connection_bytes)
         if refusal is not None and peer is not None and peer.fd is not None:
             self.refusing[peer.fd] = (time.monotonic() + 0.05, "")  # this reply goes first
+            self._count_refusal()  # shed senders reconnect: a storm of them closes the door
         return refusal
 
     def stats(self) -> dict[str, int]:
