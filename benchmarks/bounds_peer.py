@@ -61,7 +61,11 @@ def hellos(socket_path: str) -> None:
     held = []
     rid = 0
     while True:
-        sock = dealer(socket_path)
+        try:
+            sock = dealer(socket_path)
+        except zmq.ZMQError:  # out of its own descriptors: keeps what it has, reconnecting
+            time.sleep(0.01)
+            continue
         sock.setsockopt(zmq.SNDHWM, 1000)
         for _ in range(100):
             rid += 1

@@ -108,7 +108,7 @@ class ErrorCode(str, enum.Enum):
     PROTOCOL_ERROR = "PROTOCOL_ERROR"  # not msgpack, not a map, missing field, wrong type
     VERSION_MISMATCH = "VERSION_MISMATCH"  # the frame's ``v`` is not ours
     UNKNOWN_OP = "UNKNOWN_OP"  # ``op`` names no operation
-    FRAME_TOO_LARGE = "FRAME_TOO_LARGE"  # frame over MAX_FRAME_BYTES
+    FRAME_TOO_LARGE = "FRAME_TOO_LARGE"  # frame over MAX_FRAME_BYTES (the daemon's socket drops one unread)
     INVALID_ARGUMENT = "INVALID_ARGUMENT"  # well formed, unacceptable values
     NOT_HELD = "NOT_HELD"  # commit/abort/unpin of keys or pages this session does not hold
     NOT_FENCED = "NOT_FENCED"  # reserve/pin before the client locked its session's fence file
