@@ -18,8 +18,7 @@ So the guard closes the door instead: at the descriptor budget the socket
 file's mode goes to 0 (``regulate``) and the kernel refuses every connect;
 a connection accepted meanwhile is shut at once, and the headroom above the
 budget (``Limits.headroom``) absorbs the listen backlog and what libzmq
-accepted before the guard read the event. The server reads
-connection events between requests too, so a busy loop sheds in time.
+accepted before the guard read the event.
 
 Before shutting a descriptor down the guard checks that it is still a unix
 socket on the daemon's own path, so a number libzmq has closed and the
@@ -109,8 +108,9 @@ class ConnectionGuard:
     def fd(self) -> int:
         return self.monitor.getsockopt(zmq.FD)
 
-    def on_events(self) -> None:
-        """Read every pending monitor event, then act on what is still open."""
+    def on_events(self) -> bool:
+        """Read every pending monitor event, then act on what is still open; True when more
+        are queued already."""
         accepted: list[int] = []
         while True:
             try:
@@ -131,6 +131,7 @@ class ConnectionGuard:
             self._accepted(fd)
         self.expire_refusals()
         self.regulate()
+        return bool(self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def bind(self) -> None:
         self.router.setsockopt(zmq.BACKLOG, BACKLOG)

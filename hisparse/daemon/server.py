@@ -251,8 +251,7 @@ class Server:
 
     def _on_connection_events(self) -> None:
         try:
-            self.guard.on_events()
-            if self.guard.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # edge-triggered too
+            if self.guard.on_events():  # the monitor's fd is edge-triggered too
                 asyncio.get_running_loop().call_soon(self._on_connection_events)
         except Exception:
             log.error("error reading connection events; serving on", exc_info=True)
@@ -281,8 +280,7 @@ class Server:
     def _send(self, frames: list[bytes]) -> None:
         self.outbox.send(frames)
         if not self._reading and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            # a send outside the reader (a deferred reply) can swallow the fd's edge
-            asyncio.get_running_loop().call_soon(self._on_readable)
+            asyncio.get_running_loop().call_soon(self._on_readable)  # a deferred reply's send took the edge
 
     def _drain(self) -> None:
         """Answer what is already queued before closing (SIGTERM drains)."""
