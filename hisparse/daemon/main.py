@@ -29,7 +29,7 @@ from hisparse.daemon.limits import raise_fd_limit
 from hisparse.daemon.namespaces import Registry
 from hisparse.daemon.server import Server, endpoint_for
 from hisparse.daemon.sessions import SessionTable
-from hisparse.daemon.sweep import FenceSweep
+from hisparse.daemon.sweep import BEFORE_BIND_S, FenceSweep
 from hisparse.errors import HisparseError
 from hisparse.layout import format_size
 from hisparse.paths import access_key_path
@@ -207,8 +207,9 @@ def run(cfg: config_mod.Config) -> int:
     # copying: their pages stay fenced until each process lets go. The sweep
     # runs while the socket serves; what takes pages waits for it.
     ctx.fence_sweep = FenceSweep(sessions, fence_dir, registry)
-    if ctx.fence_sweep.total:
-        log.info("%d fences of the earlier run to sweep (served meanwhile)", ctx.fence_sweep.total)
+    ctx.fence_sweep.sweep_for(BEFORE_BIND_S)
+    if ctx.fence_sweep.paths:
+        log.info("%d fences of the earlier run left to sweep (served meanwhile)", len(ctx.fence_sweep.paths))
     if cfg.cluster.enabled:
         ctx.cluster = _cluster_tier(cfg.cluster)
     endpoint = endpoint_for(cfg.socket)

@@ -3,8 +3,9 @@
 An earlier run leaves one fence file per session it had (``sessions.py``):
 each must be adopted (its pages stay fenced while its process may live on)
 or removed. Before, all of them were swept before the socket was bound:
-10,000 files from a hello flood kept the socket shut for 31 s. Now the
-socket is bound first; the sweep takes the list of files as it was at start
+10,000 files from a hello flood kept the socket shut for 31 s. Now at most
+``BEFORE_BIND_S`` is swept before the socket is bound (all of a usual
+restart's few); the sweep takes the list of files as it was at start
 (a fence made by this run is never swept) and handles them in slices of at
 most ``SLICE_S`` of loop time, yielding to requests between slices.
 
@@ -30,6 +31,7 @@ from hisparse.protocol import ErrorCode, Op, WireError
 log = logging.getLogger(__name__)
 
 SLICE_S = 0.005
+BEFORE_BIND_S = 0.05  # swept before the socket is bound: a usual restart's fences, all of them
 MAX_WAITING = 1024
 GATED_OPS = frozenset({Op.RESERVE, Op.PREFETCH, Op.CLEAR, Op.DROP, Op.EVICT_SESSION})
 
@@ -46,7 +48,20 @@ class FenceSweep:
 
     @property
     def running(self) -> bool:
-        return self.done is None or not self.done.done()
+        return bool(self.paths) or (self.done is not None and not self.done.done())
+
+    def sweep_for(self, seconds: float) -> None:
+        """Sweep before the socket is bound, for at most ``seconds`` (a usual restart's few
+        fences are all swept before the first request, as before)."""
+        deadline = time.monotonic() + seconds
+        while self.paths and time.monotonic() < deadline:
+            self._one(self.paths.pop())
+
+    def _one(self, path: str) -> None:
+        if os.path.lexists(path):
+            outcome = self.sessions.adopt_fence(path, self.registry)
+            self.adopted += outcome == "adopted"
+            self.removed += outcome == "removed"
 
     async def run(self) -> None:
         """Sweep every listed file, a slice at a time; then release what waited."""
@@ -57,17 +72,12 @@ class FenceSweep:
             while self.paths:
                 deadline = time.monotonic() + SLICE_S
                 while self.paths and time.monotonic() < deadline:
-                    path = self.paths.pop()
-                    if not os.path.lexists(path):
-                        continue
-                    outcome = self.sessions.adopt_fence(path, self.registry)
-                    self.adopted += outcome == "adopted"
-                    self.removed += outcome == "removed"
+                    self._one(self.paths.pop())
                 await asyncio.sleep(0)
         finally:
             self.done.set_result(None)
         if self.total:
-            log.info("fences of the earlier run: %d swept in %.2fs while serving; %d still held "
+            log.info("fences of the earlier run: %d, swept in %.2fs after the socket was bound; %d still held "
                      "(their pages stay fenced), %d released", self.total,
                      time.monotonic() - started, self.adopted, self.removed)
 
