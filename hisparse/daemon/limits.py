@@ -20,9 +20,9 @@ names the key, so an operator knows what to raise and an engine what it hit.
   or an eighth of the limit when more). libzmq aborts the
   whole process when ``accept`` meets ``EMFILE``
   ("Too many open files", ipc_listener.cpp), so the daemon refuses well before
-  the kernel would: past its budget, it sheds every new connection at once
-  (``daemon.connections``), and the headroom absorbs what libzmq accepts
-  before the daemon has seen it.
+  the kernel would: at its budget it closes the socket's door (mode 0: the
+  kernel refuses connects) and sheds what libzmq accepted meanwhile
+  (``daemon.connections``); the headroom absorbs that.
 
 **Peer = uid**, as the kernel reports it for the connecting process
 (``SO_PEERCRED``, which libzmq hands over in each message's ``Peer-Address``
