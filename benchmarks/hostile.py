@@ -12,7 +12,11 @@ baseline measured in the same run:
 - oversized: two peers each send one 512 MiB frame;
 - creation: another namespace of ``--big-namespace`` is created (its region
   allocated) meanwhile;
-- SIGTERM under the flood: seconds until the daemon has exited.
+- SIGTERM under the flood: seconds until the daemon has exited;
+- then (``--bounds`` alone) issue 20's attacks on the daemon's bounds, each
+  on a fresh daemon (``bounds_peer.py``): decode bombs, a hello flood,
+  ``--connections`` connections sending 16 MiB and 4 MiB frames; for each,
+  ping p50/p99 and peak RSS vs the same daemon idle, and SIGTERM time.
 
 Memory is the daemon's peak resident set (``VmHWM``), so nothing between
 samples is missed.
@@ -109,9 +113,9 @@ class WellBehaved:
 
 
 @contextmanager
-def hostile_peers(socket_path: str, kinds: list[list[str]]) -> Iterator[list[subprocess.Popen]]:
-    """Start one ``hostile_peer.py`` per entry of ``kinds``; each is flooding once this yields."""
-    procs = [subprocess.Popen([sys.executable, PEER, socket_path, *kind], stdout=subprocess.PIPE,
+def hostile_peers(socket_path: str, kinds: list[list[str]], script: str = PEER) -> Iterator[list[subprocess.Popen]]:
+    """Start one ``script`` (``hostile_peer.py``) per entry of ``kinds``; each is flooding once this yields."""
+    procs = [subprocess.Popen([sys.executable, script, socket_path, *kind], stdout=subprocess.PIPE,
                               text=True, env=env_with_package()) for kind in kinds]
     try:
         for p in procs:
@@ -151,13 +155,58 @@ def row(name: str, pings: list[float], lookups: list[float], rss: int, note: str
             f"{len(pings):>7d} {format_size(rss):>11} {note}")
 
 
+BOUNDS_PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bounds_peer.py")
+
+
+def bounds_attacks(connections: list[int]) -> list[tuple[str, list[list[str]]]]:
+    """Issue 20 items 1-3: (name, bounds_peer.py kinds), each run against a fresh daemon."""
+    attacks = [("decode bomb (3 MB pings of 1.5M arrays)", [["bomb"]]),
+               ("hello flood (100 a connection)", [["hellos"]])]
+    for n in connections:
+        for size in (16 << 20, protocol.MAX_FRAME_BYTES):
+            attacks.append((f"{n} conns x {format_size(size)} frames", [["frames", str(n), str(size)]]))
+    return attacks
+
+
+def run_bounds_attack(name: str, kinds: list[list[str]], seconds: float) -> None:
+    """One attack on its own daemon: ping vs idle, peak RSS vs idle, SIGTERM time under it."""
+    with start_daemon("512MiB", extra=("--log-level", "WARNING")) as d:
+        wb = WellBehaved(d.socket)
+        pings, lookups = wb.round_trips(seconds)
+        idle = (percentile(pings, 50), percentile(pings, 99), peak_rss_bytes(d.pid))
+        reset_peak_rss(d.pid)
+        with hostile_peers(d.socket, kinds, BOUNDS_PEER):
+            pings, lookups = wb.round_trips(seconds)
+            rss = peak_rss_bytes(d.pid)
+            t0 = time.monotonic()
+            d.proc.send_signal(signal.SIGTERM)
+            d.proc.wait(60)
+            stop_s = time.monotonic() - t0
+        wb.close()
+        print(f"{name:<34} {1e3 * idle[0]:>6.2f} {1e3 * percentile(pings, 50):>8.2f} "
+              f"{1e3 * idle[1]:>7.2f} {1e3 * percentile(pings, 99):>8.2f} {len(pings):>6d} "
+              f"{format_size(idle[2]):>10} {format_size(rss):>10} {stop_s:>6.2f}s exit {d.proc.returncode}")
+
+
+def bounds_main(seconds: float, connections: list[int]) -> None:
+    print(f"{'attack (issue 20, 1-3)':<34} {'ping p50 idle':>13} {'attack':>7} {'p99 idle':>8} "
+          f"{'attack':>7} {'pings':>6} {'RSS idle':>10} {'peak':>10} {'SIGTERM':>7}")
+    for name, kinds in bounds_attacks(connections):
+        run_bounds_attack(name, kinds, seconds)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--flooders", type=int, default=3)
     p.add_argument("--big-namespace", default="2GiB")
     p.add_argument("--oversized", default="512MiB")
+    p.add_argument("--bounds", action="store_true", help="only the attacks of issue 20 items 1-3")
+    p.add_argument("--connections", default="48,96", help="connection counts of the large-frame attack")
     args = p.parse_args()
+    if args.bounds:
+        bounds_main(args.seconds, [int(n) for n in args.connections.split(",")])
+        return 0
     big = parse_size(args.big_namespace)
     with start_daemon(str(big + (512 << 20)), extra=("--log-level", "WARNING")) as d:
         wb = WellBehaved(d.socket)
@@ -196,6 +245,8 @@ def main() -> int:
             d.proc.send_signal(signal.SIGTERM)
             d.proc.wait(60)
             print(f"SIGTERM under the flood: exited {d.proc.returncode} in {time.monotonic() - t0:.2f}s")
+    print()
+    bounds_main(args.seconds, [int(n) for n in args.connections.split(",")])
     return 0
 
 

@@ -85,6 +85,15 @@ class Config:
     session_pin_share: float = 1.0
     session_reserve_share: float = 1.0
     namespaces: dict[str, NamespaceConfig] = field(default_factory=dict)
+    # What the daemon admits (hisparse.daemon.limits; a refusal is QUOTA_EXCEEDED naming the key).
+    # A peer is a uid, as the kernel reports the connecting process.
+    max_sessions: int = 2048
+    max_sessions_per_connection: int = 16
+    max_sessions_per_uid: int = 512
+    max_connections: int = 512
+    max_connections_per_uid: int = 128
+    fd_headroom: int = 128  # descriptors of RLIMIT_NOFILE no session or connection may take
+    max_request_bytes_in_flight: int = 256 << 20  # what connections sending large frames may hold
     lease_ttl_s: float = 10.0
     log_level: str = "INFO"
     admin_token_file: str | None = None  # None: hisparsed.token beside the socket
@@ -126,6 +135,11 @@ class Config:
                 f"min_page_bytes={self.min_page_bytes} max_namespaces={self.max_namespaces} "
                 f"session_pin_share={self.session_pin_share} "
                 f"session_reserve_share={self.session_reserve_share} "
+                f"max_sessions={self.max_sessions}/{self.max_sessions_per_uid} per uid/"
+                f"{self.max_sessions_per_connection} per connection "
+                f"max_connections={self.max_connections}/{self.max_connections_per_uid} per uid "
+                f"fd_headroom={self.fd_headroom} "
+                f"max_request_bytes_in_flight={format_size(self.max_request_bytes_in_flight)} "
                 f"lease_ttl={self.lease_ttl_s}s log_level={self.log_level} fresh={self.fresh} "
                 f"metrics={self.metrics_endpoint or 'off'}"
                 f"{' (the default beside the socket is too long a path)' if self.metrics_address is None and not self.metrics_endpoint else ''} "
@@ -216,6 +230,9 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "max_namespaces": ("max_namespaces", _count),
     "session_pin_share": ("session_pin_share", _share),
     "session_reserve_share": ("session_reserve_share", _share),
+    **{key: (key, _count) for key in ("max_sessions", "max_sessions_per_connection", "max_sessions_per_uid",
+                                      "max_connections", "max_connections_per_uid", "fd_headroom")},
+    "max_request_bytes_in_flight": ("max_request_bytes_in_flight", _size),
     "lease_ttl": ("lease_ttl_s", _ttl),
     "log_level": ("log_level", _level),
     "admin_token_file": ("admin_token_file", _path),

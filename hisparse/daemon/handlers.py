@@ -69,6 +69,7 @@ class DaemonContext:
     transport_stats: Callable[[], dict[str, int]] = lambda: {}
     access: AccessControl | None = None  # None: every namespace open (no prepare)
     privileged: set[int] = field(default_factory=set)  # admin sessions that showed the token
+    fence_sweep: Any = None  # hisparse.daemon.sweep.FenceSweep: the start-up sweep (None: none)
 
     def __post_init__(self) -> None:
         if not self.fence_dir:

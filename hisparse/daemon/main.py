@@ -28,9 +28,11 @@ from hisparse.daemon import config as config_mod
 from hisparse.daemon import notify, regiondir, trust
 from hisparse.daemon.access import AccessControl, give_to_group
 from hisparse.daemon.handlers import DaemonContext
+from hisparse.daemon.limits import raise_fd_limit
 from hisparse.daemon.namespaces import Registry
 from hisparse.daemon.server import Server, endpoint_for
 from hisparse.daemon.sessions import SessionTable
+from hisparse.daemon.sweep import BEFORE_BIND_S, FenceSweep
 from hisparse.errors import HisparseError
 from hisparse.layout import format_size
 from hisparse.paths import access_key_path
@@ -197,6 +199,8 @@ def _cluster_tier(cfg: config_mod.ClusterConfig):
 
 
 def run(cfg: config_mod.Config) -> int:
+    fd_limit = raise_fd_limit()  # sessions and connections are counted against it (daemon.limits)
+    log.info("RLIMIT_NOFILE %d; %d kept free (fd_headroom)", fd_limit, cfg.fd_headroom)
     # First the socket's directory: meta/, fences/ and the token go beside it.
     trust.private_dir(os.path.dirname(cfg.socket), "socket directory", allow_root_owner=True)
     lock_fd = _lock_state_dir(cfg)
@@ -217,13 +221,14 @@ def run(cfg: config_mod.Config) -> int:
     os.makedirs(fence_dir, mode=FENCE_DIR_MODE, exist_ok=True)
     trust.private_dir(fence_dir, "fence directory (fences/ beside the socket)", create=False)
     sessions = SessionTable(cfg.lease_ttl_s)
-    # Sessions of the earlier run are gone, but their processes may still be
-    # copying: their pages stay fenced until each process lets go.
-    adopted, removed = sessions.adopt_fences(fence_dir, registry)
-    if adopted or removed:
-        log.info("fences of the earlier run: %d still held (their pages stay fenced), %d released",
-                 adopted, removed)
     ctx = DaemonContext(cfg, registry, sessions, admin_token="", fence_dir=fence_dir, access=access)
+    # Sessions of the earlier run are gone, but their processes may still be
+    # copying: their pages stay fenced until each process lets go. The sweep
+    # runs while the socket serves; what takes pages waits for it.
+    ctx.fence_sweep = FenceSweep(sessions, fence_dir, registry)
+    ctx.fence_sweep.sweep_for(BEFORE_BIND_S)
+    if ctx.fence_sweep.paths:
+        log.info("%d fences of the earlier run left to sweep (served meanwhile)", len(ctx.fence_sweep.paths))
     if cfg.cluster.enabled:
         ctx.cluster = _cluster_tier(cfg.cluster)
         from hisparse.daemon import cluster_drop

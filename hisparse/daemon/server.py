@@ -20,8 +20,11 @@ import zmq
 
 from hisparse import protocol
 from hisparse.daemon import notify
+from hisparse.daemon.connections import ConnectionGuard
 from hisparse.daemon.handlers import HANDLERS, DaemonContext, Deferred
+from hisparse.daemon.limits import FD_RECOUNT_INTERVAL_S, LARGE_FRAME_BYTES, Limits, caps_of
 from hisparse.daemon.outbox import Outbox
+from hisparse.daemon.sweep import GATED_OPS
 from hisparse.protocol import ErrorCode, Op, WireError
 
 log = logging.getLogger(__name__)
@@ -38,23 +41,35 @@ MAX_BATCH_S = 0.02  # ... or this long, so timers and signals run under a flood
 # delays another's request by at most one of its own requests per turn.
 RCVHWM_MESSAGES = 2
 SNDHWM_MESSAGES = 64
-# A frame above this is not even read: ZeroMQ drops the connection. Frames
-# between MAX_FRAME_BYTES and this get a FRAME_TOO_LARGE reply.
-MAX_WIRE_MESSAGE_BYTES = 2 * protocol.MAX_FRAME_BYTES
+# A frame above this is not even read: ZeroMQ drops the connection at its
+# header, before allocating it. So a connection holds at most RCVHWM + 1
+# frames of this size in the daemon (queued, and one being read).
+MAX_WIRE_MESSAGE_BYTES = protocol.MAX_FRAME_BYTES
+CONNECTION_REQUEST_BYTES = (RCVHWM_MESSAGES + 1) * MAX_WIRE_MESSAGE_BYTES  # what libzmq may hold for one
 
 
 def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"") -> bytes | tuple[int | None, Deferred]:
     """One request frame from connection ``peer`` in, one reply frame out (or a ``Deferred``
-    to finish later). Never raises."""
+    to finish later). Decodes the frame once. Never raises."""
     started_ns = time.perf_counter_ns()
     ctx.requests_total += 1
-    ctx.peer = peer
-    rid: int | None = None
-    op = "invalid"  # the frame did not decode to a request
     try:
         req = protocol.decode_request(frame)
-        rid = req.id
-        op = req.op.value
+    except WireError as exc:  # the error carries the id when one was read: no second decode
+        ctx.opstats.observe("invalid", time.perf_counter_ns() - started_ns)
+        return _refusal(ctx, exc.rid, exc)
+    except Exception as exc:
+        return _internal(ctx, None, exc)
+    return serve_request(ctx, req, peer, started_ns)
+
+
+def serve_request(ctx: DaemonContext, req: protocol.Request, peer: bytes,
+                  started_ns: int) -> bytes | tuple[int | None, Deferred]:
+    """A decoded request's reply (or ``Deferred``). Never raises."""
+    ctx.peer = peer
+    rid = req.id
+    op = req.op.value
+    try:
         session = None
         if req.op not in protocol.SESSIONLESS_OPS:
             session = ctx.sessions.get(req.session, peer)  # type: ignore[arg-type]
@@ -66,7 +81,12 @@ def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"") -> bytes | tup
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s id=%s session=%s", req.op.value, rid,
                       session.handle if session else "-")
-        body = HANDLERS[req.op](ctx, session, req)
+        sweep = ctx.fence_sweep
+        if sweep is not None and req.op in GATED_OPS and sweep.running:  # pages wait for the sweep
+            body = sweep.after(lambda: HANDLERS[req.op](ctx, session, req),
+                               lambda: session is None or ctx.sessions.sessions.get(session.id) is session)
+        else:
+            body = HANDLERS[req.op](ctx, session, req)
         if isinstance(body, Deferred):
             # the request's latency runs until the work off the loop is done
             body.future.add_done_callback(
@@ -77,9 +97,9 @@ def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"") -> bytes | tup
         return reply
     except WireError as exc:
         ctx.opstats.observe(op, time.perf_counter_ns() - started_ns)
-        return _refusal(ctx, frame, rid, exc)
+        return _refusal(ctx, rid, exc)
     except Exception as exc:
-        return _internal(ctx, frame, rid, exc)
+        return _internal(ctx, rid, exc)
 
 
 def finish(ctx: DaemonContext, rid: int | None, deferred: Deferred, future) -> bytes:
@@ -93,26 +113,23 @@ def finish(ctx: DaemonContext, rid: int | None, deferred: Deferred, future) -> b
             raise wire
         return protocol.encode_ok(rid, deferred.finish(future.result()))
     except WireError as exc:
-        return _refusal(ctx, b"", rid, exc)
+        return _refusal(ctx, rid, exc)
     except Exception as exc:
-        return _internal(ctx, b"", rid, exc)
+        return _internal(ctx, rid, exc)
 
 
-def _refusal(ctx: DaemonContext, frame: bytes, rid: int | None, exc: WireError) -> bytes:
+def _refusal(ctx: DaemonContext, rid: int | None, exc: WireError) -> bytes:
     ctx.errors_total += 1
     ctx.opstats.error(exc.code.value)
-    if rid is None:
-        rid = protocol.request_id(frame)
     log.debug("refused request id=%s: %s %s", rid, exc.code.value, exc.message)
     return protocol.encode_error(rid, exc.code, exc.message)
 
 
-def _internal(ctx: DaemonContext, frame: bytes, rid: int | None, exc: Exception) -> bytes:
+def _internal(ctx: DaemonContext, rid: int | None, exc: Exception) -> bytes:
     ctx.errors_total += 1
     ctx.opstats.error(ErrorCode.INTERNAL.value)
     log.error("internal error handling request id=%s", rid, exc_info=exc)
-    return protocol.encode_error(rid if rid is not None else protocol.request_id(frame),
-                                 ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+    return protocol.encode_error(rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
 class Server:
@@ -129,9 +146,14 @@ class Server:
         # silently dropped: the outbox keeps a bounded backlog or drops it.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.outbox = Outbox(self.sock)
+        self.limits = Limits(caps_of(ctx.config))
+        ctx.sessions.limits = self.limits
+        self.guard = ConnectionGuard(self.sock, self.limits, endpoint.removeprefix("ipc://"), endpoint)
         ctx.transport_stats = lambda: {"replies_dropped": self.outbox.dropped_replies,
-                                       "replies_queued_bytes": self.outbox.queued_bytes}
+                                       "replies_queued_bytes": self.outbox.queued_bytes,
+                                       **self.guard.stats(), **self.limits.stats()}
         self._stopping: asyncio.Event | None = None
+        self._reading = False  # inside _on_readable (which checks for more itself)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stop_reason = ""
         ctx.request_shutdown = self.stop
@@ -139,7 +161,7 @@ class Server:
     # -- lifecycle --
 
     def bind(self) -> None:
-        self.sock.bind(self.endpoint)
+        self.guard.bind()
 
     def stop(self, reason: str) -> None:
         """Ask the loop to stop; safe from any thread."""
@@ -158,6 +180,8 @@ class Server:
         self._stopping = asyncio.Event()
         fd = self.sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._on_readable)
+        loop.add_reader(self.guard.fd, self._on_connection_events)
+        loop.call_soon(self._on_connection_events)
         loop.call_soon(self._on_readable)  # messages that arrived before the reader existed
         if self.ctx.cluster is not None:
             self.ctx.cluster.start(loop)
@@ -170,8 +194,12 @@ class Server:
             from hisparse.daemon.metrics import MetricsServer
 
             metrics = MetricsServer(self.ctx, self.ctx.config.metrics_endpoint)
+        if self.ctx.fence_sweep is not None:  # while it runs, ops that take pages wait for it
+            self.ctx.fence_sweep.done = loop.create_future()
         timers = [asyncio.create_task(self._reaper()), asyncio.create_task(self._eviction_log()),
                   asyncio.create_task(self._loop_lag()), asyncio.create_task(self.outbox.run())]
+        if self.ctx.fence_sweep is not None:
+            timers.append(asyncio.create_task(self.ctx.fence_sweep.run()))
         try:
             if metrics is not None:
                 await metrics.start()  # before READY: a bad address stops the start
@@ -181,6 +209,7 @@ class Server:
             if metrics is not None:
                 await metrics.close()
             loop.remove_reader(fd)
+            loop.remove_reader(self.guard.fd)
             if signals:
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     loop.remove_signal_handler(sig)
@@ -191,20 +220,24 @@ class Server:
         return self.stop_reason
 
     def close(self) -> None:
+        self.guard.close()
         self.sock.close(linger=0)
 
     # -- the data path --
 
     def _on_readable(self) -> None:
         sock = self.sock
+        self._reading = True
         try:
             deadline = time.monotonic() + MAX_BATCH_S
-            for _ in range(MAX_BATCH):
+            for i in range(MAX_BATCH):
+                if i % 16 == 15:  # connection events are not kept waiting by a busy batch
+                    self.guard.on_events()
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                    identity, envelope, body, refusal = self.guard.recv(sock)
                 except zmq.Again:
                     break
-                self._handle(frames)
+                self._handle(identity, envelope, body, refusal)
                 if time.monotonic() > deadline:
                     break
             # ZeroMQ's fd is edge-triggered and a send can swallow the edge:
@@ -213,14 +246,25 @@ class Server:
                 asyncio.get_running_loop().call_soon(self._on_readable)
         except Exception:
             log.error("error in the receive loop; serving on", exc_info=True)
+        finally:
+            self._reading = False
 
-    def _handle(self, frames: list[bytes]) -> None:
-        identity, body = frames[0], frames[1:]
-        # A DEALER sends [payload]; a REQ sends ["", payload]: answer in kind.
-        envelope: list[bytes] = []
-        if len(body) == 2 and body[0] == b"":
-            envelope, body = [b""], body[1:]
-        if len(body) != 1:
+    def _on_connection_events(self) -> None:
+        try:
+            if self.guard.on_events():  # the monitor's fd is edge-triggered too
+                asyncio.get_running_loop().call_soon(self._on_connection_events)
+        except Exception:
+            log.error("error reading connection events; serving on", exc_info=True)
+
+    def _handle(self, identity: bytes, envelope: list[bytes], body: list[bytes],
+                refusal: str | None) -> None:
+        if refusal is None and body and len(body[-1]) > LARGE_FRAME_BYTES:
+            refusal = self.guard.admit_large_frame(identity, len(body[-1]), CONNECTION_REQUEST_BYTES)
+        if refusal == "":
+            return  # its connection was told why, once; it is being shed
+        if refusal is not None:
+            reply = protocol.encode_error(None, ErrorCode.QUOTA_EXCEEDED, refusal)
+        elif len(body) != 1:
             reply = protocol.encode_error(None, ErrorCode.PROTOCOL_ERROR,
                                           f"expected one frame per request, got {len(body)}")
         else:
@@ -235,6 +279,8 @@ class Server:
 
     def _send(self, frames: list[bytes]) -> None:
         self.outbox.send(frames)
+        if not self._reading and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            asyncio.get_running_loop().call_soon(self._on_readable)  # a deferred reply's send took the edge
 
     def _drain(self) -> None:
         """Answer what is already queued before closing (SIGTERM drains)."""
@@ -247,16 +293,17 @@ class Server:
             self._handle_draining(frames)
 
     def _handle_draining(self, frames: list[bytes]) -> None:
-        rid = protocol.request_id(frames[-1])
-        reply = protocol.encode_error(rid, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        started_ns = time.perf_counter_ns()
         try:
             req = protocol.decode_request(frames[-1])
-            if req.op in (Op.BYE, Op.COMMIT, Op.ABORT, Op.UNPIN, Op.PING):
-                done = dispatch(self.ctx, frames[-1], frames[0])  # let in-flight work finish
-                if isinstance(done, bytes):
-                    reply = done
-        except WireError:
-            pass
+            rid: int | None = req.id
+        except WireError as exc:
+            req, rid = None, exc.rid
+        reply = protocol.encode_error(rid, ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        if req is not None and req.op in (Op.BYE, Op.COMMIT, Op.ABORT, Op.UNPIN, Op.PING):
+            done = serve_request(self.ctx, req, frames[0], started_ns)  # let in-flight work finish
+            if isinstance(done, bytes):
+                reply = done
         try:
             self.sock.send_multipart([frames[0], *frames[1:-1], reply], zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -265,10 +312,17 @@ class Server:
     # -- timers --
 
     async def _reaper(self) -> None:
+        recounted_s = time.monotonic()
         while True:
             await asyncio.sleep(min(REAP_INTERVAL_S, self.ctx.sessions.lease_ttl_s / 4))
             try:
                 self._reap()
+                self.guard.expire_refusals()
+                if time.monotonic() - recounted_s > FD_RECOUNT_INTERVAL_S:
+                    recounted_s = time.monotonic()
+                    self.limits.recount_fds()
+                    self.limits.forget_idle_peers()
+                    self.guard.regulate()
             except Exception:
                 log.error("error in the lease reaper; serving on", exc_info=True)
 

@@ -21,7 +21,6 @@ handle (the id's first hex digits), never the id itself.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import secrets
@@ -35,6 +34,14 @@ from hisparse.errors import InvalidArgument
 from hisparse.shm.fence import FENCE_SUFFIX, LOST, FenceFile
 
 log = logging.getLogger(__name__)
+
+
+def fence_paths(fence_dir: str) -> Iterator[str]:
+    """The fence files in ``fence_dir``, listed lazily (a directory of many costs no list)."""
+    with os.scandir(fence_dir) as entries:
+        for entry in entries:
+            if entry.name.endswith(FENCE_SUFFIX):
+                yield entry.path
 
 
 def handle_of(session_id: int) -> str:
@@ -112,11 +119,14 @@ class SessionTable:
         self.zombies: dict[str, Zombie] = {}  # fence name -> zombie
         self.expired_total = 0
         self.zombies_released_total = 0
+        self.limits = None  # hisparse.daemon.limits.Limits: admits and counts sessions (None: no caps)
 
     # -- live sessions --
 
     def open(self, namespace: Namespace | None, client: str, peer: bytes = b"",
              fence_dir: str | None = None) -> Session:
+        if self.limits is not None:  # QUOTA_EXCEEDED naming the cap, before anything is made
+            self.limits.admit_session(peer, len(self.sessions), len(self.zombies))
         now = self._clock()
         sid = secrets.randbits(62)
         while sid in self.sessions or sid == 0:
@@ -130,6 +140,8 @@ class SessionTable:
                                      num_pages=namespace.geometry.num_pages, handle=handle_of(sid))
         session = Session(sid, namespace, client, peer, fence, now, now)
         self.sessions[sid] = session
+        if self.limits is not None:
+            self.limits.session_opened(peer, sid, fence is not None)
         return session
 
     def get(self, sid: int, peer: bytes) -> Session | None:
@@ -147,6 +159,8 @@ class SessionTable:
         session, or a fence already free: then everything is freed now).
         """
         self.sessions.pop(session.id, None)
+        if self.limits is not None:
+            self.limits.session_ended(session.id)
         if session.namespace is None or session.fence is None:
             return None
         index = session.namespace.index
@@ -211,36 +225,44 @@ class SessionTable:
     def adopt_fences(self, fence_dir: str, registry: Registry) -> tuple[int, int]:
         """After a restart: fence the pages of every earlier session whose process may live on.
 
-        Returns (zombies adopted, fence files removed). A fence of an unknown
-        namespace or another region holds nothing of ours and is removed;
-        one that is not ours to trust is logged and left alone.
+        Returns (zombies adopted, fence files removed). The daemon itself
+        sweeps file by file while it serves (``hisparse.daemon.sweep``).
         """
         adopted = removed = 0
-        for path in sorted(glob.glob(os.path.join(fence_dir, f"*{FENCE_SUFFIX}"))):
-            try:
-                fence = FenceFile.adopt(path, owner_uid=os.geteuid())
-            except (InvalidArgument, OSError) as exc:
-                log.warning("not adopting fence %s: %s; left alone", path, exc)
-                continue
-            ns = registry.namespaces.get(fence.header.namespace)
-            if (ns is None or ns.region_id != fence.header.region_id
-                    or ns.geometry.num_pages != fence.header.num_pages or fence.take_if_free()):
-                # (a fence still reading LIVE: released under the exclusive lock, so no worker
-                # locks it between the probe and RELEASED and copies into pages freed here)
-                fence.close(unlink=True)
-                removed += 1
-                continue
-            pages, reserved, pins = fence.held_pages()
-            fenced, pinned = ns.index.adopt_fence(pages.tolist(), reserved.tolist(), pins.tolist())
-            fence.set_state(LOST)
-            zombie = Zombie(fence.header.handle, ns, "(from an earlier daemon run)", fence,
-                            "daemon restart", self._clock(), fence.header.created_unix_s,
-                            fenced, pinned)
-            self.zombies[fence.name] = zombie
-            adopted += 1
-            log.info("fenced %d pages and %d pins of %s until its process lets go",
-                     len(fenced), sum(pinned.values()), zombie.describe())
+        for path in sorted(fence_paths(fence_dir)):
+            outcome = self.adopt_fence(path, registry)
+            adopted += outcome == "adopted"
+            removed += outcome == "removed"
         return adopted, removed
+
+    def adopt_fence(self, path: str, registry: Registry) -> str:
+        """One fence file of an earlier run: "adopted", "removed" or "left" (not ours to trust).
+
+        A fence of an unknown namespace or another region holds nothing of
+        ours and is removed; one that is not ours to trust is logged and left.
+        """
+        try:
+            fence = FenceFile.adopt(path, owner_uid=os.geteuid())
+        except (InvalidArgument, OSError) as exc:
+            log.warning("not adopting fence %s: %s; left alone", path, exc)
+            return "left"
+        ns = registry.namespaces.get(fence.header.namespace)
+        if (ns is None or ns.region_id != fence.header.region_id
+                or ns.geometry.num_pages != fence.header.num_pages or fence.take_if_free()):
+            # (a fence still reading LIVE: released under the exclusive lock, so no worker
+            # locks it between the probe and RELEASED and copies into pages freed here)
+            fence.close(unlink=True)
+            return "removed"
+        pages, reserved, pins = fence.held_pages()
+        fenced, pinned = ns.index.adopt_fence(pages.tolist(), reserved.tolist(), pins.tolist())
+        fence.set_state(LOST)
+        zombie = Zombie(fence.header.handle, ns, "(from an earlier daemon run)", fence,
+                        "daemon restart", self._clock(), fence.header.created_unix_s,
+                        fenced, pinned)
+        self.zombies[fence.name] = zombie
+        log.info("fenced %d pages and %d pins of %s until its process lets go",
+                 len(fenced), sum(pinned.values()), zombie.describe())
+        return "adopted"
 
     def detach_all(self) -> None:
         """Shutdown: leave every fence to the successor (its holders may still be copying)."""

@@ -8,7 +8,10 @@ from hisparse import errors
 
 VERSION = 2  # 2: fences, unpin by page, sessions bound to their connection
 
-MAX_FRAME_BYTES = 8 << 20  # a larger frame is refused before it is decoded
+# A larger frame is never read: the daemon's ZeroMQ socket drops the connection
+# at its header (ZMQ_MAXMSGSIZE). The largest legal request, a publish of
+# 2 x 16,384 keys of 64 B, is 2.2 MB.
+MAX_FRAME_BYTES = 4 << 20
 MAX_KEYS_PER_REQUEST = 16_384  # 1M tokens at block size 64; clients split longer chains. Small enough
 # that one request costs the loop a few ms (what a flooding peer may delay others by)
 MIN_KEY_BYTES = 1
@@ -115,7 +118,7 @@ class ErrorCode(str, enum.Enum):
     PROTOCOL_ERROR = "PROTOCOL_ERROR"  # not msgpack, not a map, missing field, wrong type
     VERSION_MISMATCH = "VERSION_MISMATCH"  # the frame's ``v`` is not ours
     UNKNOWN_OP = "UNKNOWN_OP"  # ``op`` names no operation
-    FRAME_TOO_LARGE = "FRAME_TOO_LARGE"  # frame over MAX_FRAME_BYTES
+    FRAME_TOO_LARGE = "FRAME_TOO_LARGE"  # frame over MAX_FRAME_BYTES (the daemon's socket drops one unread)
     INVALID_ARGUMENT = "INVALID_ARGUMENT"  # well formed, unacceptable values
     NOT_HELD = "NOT_HELD"  # commit/abort/unpin of keys or pages this session does not hold
     NOT_FENCED = "NOT_FENCED"  # reserve/pin before the client locked its session's fence file
@@ -153,10 +156,11 @@ _ERROR_CLASSES: dict[ErrorCode, type[errors.HisparseError]] = {
 class WireError(Exception):
     """Raised while decoding or handling a request; becomes an error reply."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, rid: int | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.rid = rid  # the request's id when it was read before the fault: the reply names it
 
 
 def error_for_code(code: str, message: str) -> errors.HisparseError:

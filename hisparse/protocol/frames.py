@@ -9,32 +9,54 @@ import msgpack
 
 from hisparse import errors
 from hisparse.layout import KVLayout
-from hisparse.protocol.codes import MAX_FRAME_BYTES, VERSION, ErrorCode, Op, WireError, error_for_code
+from hisparse.protocol.codes import (
+    MAX_FRAME_BYTES, MAX_KEYS_PER_REQUEST, VERSION, ErrorCode, Op, WireError, error_for_code,
+)
+from hisparse.protocol.scan import MAX_BIN_BYTES, MAX_FIELDS, MAX_STR_BYTES, SCAN_ABOVE_BYTES, scan_request
 
 KEY_FIELDS = ("keys", "as_keys")  # fields that carry lists of keys
 
 
+# msgpack's per-container limits, the same for every request: no list longer
+# than a request may carry, no map wider than a request, no string longer
+# than any field needs, no bin much longer than a key, no ext at all.
+_UNPACK_LIMITS = dict(max_array_len=MAX_KEYS_PER_REQUEST, max_map_len=MAX_FIELDS,
+                      max_str_len=MAX_STR_BYTES, max_bin_len=MAX_BIN_BYTES, max_ext_len=0)
+
+
 def unpack_map(frame: bytes) -> dict[str, Any]:
+    """Decode a request frame once, within the protocol's bounds; raises ``WireError``.
+
+    A frame over ``SCAN_ABOVE_BYTES`` is scanned first (``scan.scan_request``),
+    so no frame costs the loop more than a few milliseconds. The error
+    carries the request's id when one was read.
+    """
     if not frame:
         raise WireError(ErrorCode.PROTOCOL_ERROR, "empty frame")
+    rid = scan_request(frame) if len(frame) > SCAN_ABOVE_BYTES else None
     try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True, **_UNPACK_LIMITS)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise WireError(ErrorCode.PROTOCOL_ERROR, f"not msgpack: {type(exc).__name__}") from None
+        raise WireError(ErrorCode.PROTOCOL_ERROR, f"not msgpack within the protocol's limits: "
+                        f"{type(exc).__name__}", rid=rid) from None
     if not isinstance(msg, dict):
         raise WireError(ErrorCode.PROTOCOL_ERROR, f"a frame must be a map, not {type(msg).__name__}")
     return msg
 
 
 def request_id(frame: bytes) -> int | None:
-    """The ``id`` of a frame, when one can be read, so even a bad request gets an addressed reply."""
+    """The ``id`` of a frame, when one can be read, so even a bad request gets an addressed reply.
+
+    Bounded as ``unpack_map`` (it is one): the daemon itself takes the id from
+    ``decode_request``'s result or error and never decodes a frame twice.
+    """
     if len(frame) > MAX_FRAME_BYTES:
         return None
     try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    except Exception:
-        return None
-    rid = msg.get("id") if isinstance(msg, dict) else None
+        msg = unpack_map(frame)
+    except WireError as exc:
+        return exc.rid
+    rid = msg.get("id")
     return rid if isinstance(rid, int) and not isinstance(rid, bool) else None
 
 

@@ -230,14 +230,26 @@ _BYTES_ONLY = frozenset({bytes})
 
 
 def decode_request(frame: bytes) -> Request:
-    """Parse and validate one request frame; raises ``WireError``.
+    """Parse and validate one request frame, decoding it once; raises ``WireError``.
 
-    The caller answers a ``WireError`` with ``encode_error(request_id(frame), ...)``.
+    The error carries the request's id (``WireError.rid``) whenever it could
+    be read, so the caller answers ``encode_error(exc.rid, ...)`` without
+    decoding the frame again.
     """
     if len(frame) > MAX_FRAME_BYTES:
         raise WireError(ErrorCode.FRAME_TOO_LARGE,
                         f"frame of {len(frame)} bytes; the limit is {MAX_FRAME_BYTES}")
     msg = unpack_map(frame)
+    raw_id = msg.get("id")
+    try:
+        return _request(msg)
+    except WireError as exc:
+        if type(raw_id) is int and 0 <= raw_id <= MAX_WIRE_INT:
+            exc.rid = raw_id
+        raise
+
+
+def _request(msg: dict[str, Any]) -> Request:
     version = msg.get("v")
     if type(version) is not int or version != VERSION:  # not 2.0, not True
         raise WireError(ErrorCode.VERSION_MISMATCH,

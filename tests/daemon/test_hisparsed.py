@@ -61,6 +61,7 @@ def test_bad_input_gets_typed_errors_and_nobody_notices(hisparsed, clients):
     k = keys_for("bystander", 4)
     assert bystander.store(k, [page_bytes("b", i) for i in range(4)]) == 4
     sid = victim.session
+    # (a frame over MAX_FRAME_BYTES is dropped unread with its connection: test_bounds.py)
     cases = [
         (b"", ErrorCode.PROTOCOL_ERROR),
         (b"\xc1\x00garbage", ErrorCode.PROTOCOL_ERROR),
@@ -70,11 +71,8 @@ def test_bad_input_gets_typed_errors_and_nobody_notices(hisparsed, clients):
         (pack(v=protocol.VERSION, id="x", op="ping"), ErrorCode.PROTOCOL_ERROR),
         (pack(v=protocol.VERSION, id=1, op="defragment", session=sid), ErrorCode.UNKNOWN_OP),
         (pack(v=99, id=1, op="ping"), ErrorCode.VERSION_MISMATCH),
-        (b"\x00" * (protocol.MAX_FRAME_BYTES + 1), ErrorCode.FRAME_TOO_LARGE),
         (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[b""]), ErrorCode.INVALID_ARGUMENT),
         (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[b"k" * 65]), ErrorCode.INVALID_ARGUMENT),
-        (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[b"k" * 36] * 300_000),
-         ErrorCode.FRAME_TOO_LARGE),
         (pack(v=protocol.VERSION, id=1, op="lookup", session=sid, keys=[b"k"] * 1_000_000),
          ErrorCode.INVALID_ARGUMENT),
         (pack(v=protocol.VERSION, id=1, op="commit", session=sid, keys=[k[0]]), ErrorCode.NOT_HELD),

@@ -162,12 +162,16 @@ def test_keys_and_events_replies_are_bounded(daemon_factory):
         c.close()
 
 
-@pytest.mark.parametrize("frame_bytes", [protocol.MAX_FRAME_BYTES + 1])
-def test_a_frame_just_over_the_limit_still_gets_a_typed_reply(hisparsed, frame_bytes):
+def test_a_frame_just_over_the_limit_is_dropped_unread_and_the_daemon_serves_on(hisparsed):
+    c = RawClient(hisparsed.socket, timeout_s=1)
+    try:
+        # ZMQ_MAXMSGSIZE: refused at its header, with its connection; nothing allocated
+        assert c.send_raw(b"\x81" + b"\0" * protocol.MAX_FRAME_BYTES) is None
+    finally:
+        c.close()
     c = RawClient(hisparsed.socket)
     try:
-        reply = c.send_raw(b"\x81" + b"\0" * (frame_bytes - 1))
-        assert reply is not None and reply.error_code == "FRAME_TOO_LARGE"
+        assert c.call(Op.PING)["pid"] == hisparsed.pid
     finally:
         c.close()
 

@@ -1,0 +1,107 @@
+"""Peers that try the daemon's bounds (issue 20, items 1-3), each a process run until killed.
+
+    python benchmarks/bounds_peer.py SOCKET bomb            # decode bombs: ~3 MB pings of 1M+ arrays
+    python benchmarks/bounds_peer.py SOCKET hellos          # hellos pipelined, connection after connection
+    python benchmarks/bounds_peer.py SOCKET frames N SIZE   # N connections, each sending SIZE-byte frames
+
+None of them reads a reply unless it must. Each prints ``flooding`` once it
+has started, so a caller can wait for it. Used by ``benchmarks/hostile.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import msgpack
+import zmq
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hisparse import KVLayout, protocol  # noqa: E402
+from hisparse.protocol import Op  # noqa: E402
+
+LAYOUT = KVLayout(num_layers=2, block_tokens=4, row_bytes=64)
+
+
+def bomb_frame(size: int = 3 << 20) -> bytes:
+    """A ping whose extra field holds ``size / 2`` one-element arrays, in lists of 16,384."""
+    inner = b"\xdc" + (16_384).to_bytes(2, "big") + b"\x91\xc0" * 16_384
+    n = size // len(inner)
+    head = msgpack.packb({"v": protocol.VERSION, "id": 1, "op": "ping"})
+    return bytes([head[0] + 1]) + head[1:] + msgpack.packb("keys") + b"\xdc" + n.to_bytes(2, "big") + inner * n
+
+
+def dealer(socket_path: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 4)
+    sock.connect("ipc://" + socket_path)
+    return sock
+
+
+def drain(sock: zmq.Socket) -> None:
+    while sock.poll(0):
+        sock.recv()
+
+
+def bomb(socket_path: str) -> None:
+    sock = dealer(socket_path)
+    frame = bomb_frame()
+    print("flooding", flush=True)
+    while True:
+        sock.send(frame, copy=False)
+        drain(sock)  # keeps reading so its sends are never what holds it back
+
+
+def hellos(socket_path: str) -> None:
+    """A buggy engine at full speed: a new connection, 100 hellos on it, never a bye."""
+    print("flooding", flush=True)
+    held = []
+    rid = 0
+    while True:
+        try:
+            sock = dealer(socket_path)
+        except zmq.ZMQError:  # out of its own descriptors: keeps what it has, reconnecting
+            time.sleep(0.01)
+            continue
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        for _ in range(100):
+            rid += 1
+            sock.send(protocol.encode_request(Op.HELLO, rid, namespace="hostile-hellos", layout=LAYOUT,
+                                              capacity_bytes=LAYOUT.page_bytes * 64, client="hello flood"))
+        held.append(sock)
+        for s in held:
+            drain(s)
+        time.sleep(0.001)
+
+
+def frames(socket_path: str, connections: int, size: int) -> None:
+    socks = [dealer(socket_path) for _ in range(connections)]
+    frame = b"\x81" + b"\0" * (size - 1)
+    print("flooding", flush=True)
+    while True:
+        for sock in socks:
+            try:
+                sock.send(frame, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                pass
+        time.sleep(0.001)
+
+
+def main(argv: list[str]) -> int:
+    socket_path, kind = argv[0], argv[1]
+    if kind == "bomb":
+        bomb(socket_path)
+    elif kind == "hellos":
+        hellos(socket_path)
+    elif kind == "frames":
+        frames(socket_path, int(argv[2]), int(argv[3]))
+    else:
+        raise SystemExit(f"unknown kind {kind!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

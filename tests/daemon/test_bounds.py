@@ -1,0 +1,211 @@
+"""The daemon bounded by construction: decode bombs, hello floods, descriptor starvation, a
+start with a directory full of stale fences. Each against a real ``hisparsed``."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgpack
+import zmq
+
+from hisparse import KVLayout, protocol
+from hisparse.protocol import ErrorCode, Op
+from hisparse.shm.fence import FenceFile, fence_dir_for
+from tests.conftest import Daemon, _shm_base
+from tests.rawclient import RawClient
+from tests.waiting import wait_for
+
+LAYOUT = KVLayout(2, 4, 64)
+CAP = LAYOUT.page_bytes * 64
+
+
+def bomb(field: str) -> bytes:
+    """A ~4 MB ping whose ``field`` holds 1.4M one-element arrays (~1.5 s to decode unbounded)."""
+    inner = b"\xdc" + (16_384).to_bytes(2, "big") + b"\x91\xc0" * 16_384
+    n = (3 << 20) // len(inner)
+    head = msgpack.packb({"v": protocol.VERSION, "id": 77, "op": "ping"})
+    return bytes([head[0] + 1]) + head[1:] + msgpack.packb(field) + b"\xdc" + n.to_bytes(2, "big") + inner * n
+
+
+def test_decode_bombs_get_a_typed_error_fast_and_the_daemon_serves_on(hisparsed):
+    c = RawClient(hisparsed.socket, timeout_s=30)
+    try:
+        frames = [bomb("keys"), bomb("padding"), bomb("pages")] * 2
+        started = time.monotonic()
+        for frame in frames:  # pipelined: the replies come in order
+            c.sock.send(frame)
+        replies = []
+        for _ in frames:
+            assert c.sock.poll(30_000)
+            replies.append(protocol.decode_reply(c.sock.recv()))
+        elapsed = time.monotonic() - started
+        assert all(r.error_code in (ErrorCode.PROTOCOL_ERROR.value, ErrorCode.INVALID_ARGUMENT.value)
+                   for r in replies), replies
+        assert all(r.id == 77 for r in replies)  # addressed, though never decoded
+        # unbounded, each costs ~1.5 s of loop (9 s in all); scanned, a few ms each
+        assert elapsed < 3.0, elapsed
+        assert c.call(Op.PING)["pid"] == hisparsed.pid
+    finally:
+        c.close()
+
+
+def test_a_hello_flood_on_one_connection_stops_at_the_session_cap(hisparsed):
+    c = RawClient(hisparsed.socket, timeout_s=30)
+    try:
+        n = 100
+        for i in range(n):  # pipelined, replies never awaited in between
+            c.sock.send(protocol.encode_request(Op.HELLO, 1000 + i, namespace="flood", layout=LAYOUT,
+                                                capacity_bytes=LAYOUT.page_bytes * 64, client="flood"))
+        replies = []
+        for _ in range(n):
+            assert c.sock.poll(30_000)
+            replies.append(protocol.decode_reply(c.sock.recv()))
+        ok = [r for r in replies if r.ok is not None]
+        refused = [r for r in replies if r.error_code == ErrorCode.QUOTA_EXCEEDED.value]
+        assert len(ok) == 16 and len(refused) == n - 16, [r.error_message for r in replies[:3]]
+        assert "max_sessions_per_connection (16)" in refused[0].error_message
+        # another connection of the same peer is not this one's cap
+        other = RawClient(hisparsed.socket)
+        try:
+            assert other.call(Op.HELLO, namespace="flood", layout=LAYOUT, capacity_bytes=CAP)["session"]
+        finally:
+            other.close()
+    finally:
+        c.close()
+
+
+def test_sessions_per_uid_and_in_total_are_capped_by_name(daemon_factory):
+    d = daemon_factory(env={"HISPARSED_MAX_SESSIONS_PER_UID": "10", "HISPARSED_MAX_SESSIONS": "12",
+                            "HISPARSED_MAX_SESSIONS_PER_CONNECTION": "4"})
+    clients = [RawClient(d.socket) for _ in range(3)]
+    try:
+        codes = []
+        for c in clients:
+            for _ in range(4):
+                codes.append(c.request(Op.HELLO, namespace="ns", layout=LAYOUT, capacity_bytes=CAP))
+        refused = [r for r in codes if r.ok is None]
+        assert len(refused) == 2 and all(r.error_code == "QUOTA_EXCEEDED" for r in refused)
+        assert "max_sessions_per_uid (10)" in refused[0].error_message  # every test peer is one uid
+        # bye gives the room back at once
+        first = codes[0].ok["session"]
+        clients[0].call(Op.BYE, session=first)
+        assert clients[2].request(Op.HELLO, namespace="ns", layout=LAYOUT, capacity_bytes=CAP).ok is not None
+    finally:
+        for c in clients:
+            c.close()
+
+
+FLOOD = """
+import socket, sys, time
+held = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(sys.argv[1])
+    except OSError:
+        s.close()
+        continue
+    held.append(s)
+print(len(held), flush=True)
+sys.stdin.read()  # held open until the test lets go
+"""
+
+
+def _as_other_user() -> dict:
+    """Run a peer as nobody when the tests run as root (root ignores the socket's mode)."""
+    if os.geteuid() != 0:
+        return {}
+
+    def drop() -> None:
+        os.setgid(65534)
+        os.setuid(65534)
+    return {"preexec_fn": drop, "cwd": "/"}
+
+
+def test_a_descriptor_starved_daemon_refuses_instead_of_aborting(tmp_path_factory):
+    base = tempfile.mkdtemp(prefix="hisparse-starved-")
+    os.chmod(base, 0o755)  # another user's peer must reach the socket (the daemon's dir stays private)
+    shm = tempfile.mkdtemp(prefix="hisparse-starved-", dir=_shm_base())
+    d = Daemon(os.path.join(base, "hisparsed.sock"), shm, ["--capacity", "64MiB"],
+               {**os.environ, "PYTHONUNBUFFERED": "1"}, os.path.join(base, "log"))
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # 128 of them kept free
+
+    with open(d.log_path, "ab") as log:
+        d.proc = subprocess.Popen([sys.executable, "-m", "hisparse.daemon.main", "--socket", d.socket,
+                                   "--shm-dir", shm, *d.args], stdout=log, stderr=subprocess.STDOUT,
+                                  env=d.env, preexec_fn=limit)
+    d.wait_ready()
+    os.chmod(d.socket, 0o666)  # open to the other user too (as a group would be)
+    keeper = RawClient(d.socket, timeout_s=10)
+    flood = RawClient(d.socket, timeout_s=30)
+    peer = None
+    try:
+        keeper.hello()  # an admin session: it reads stats
+        # sessions: each holds a fence file open; refused by name before EMFILE
+        for i in range(200):
+            flood.sock.send(protocol.encode_request(Op.HELLO, i + 1, namespace="ns", layout=LAYOUT,
+                                                    capacity_bytes=CAP))
+        replies = [protocol.decode_reply(flood.sock.recv()) for _ in range(200) if flood.sock.poll(30_000)]
+        assert len(replies) == 200
+        refused = [r.error_message for r in replies if r.ok is None]
+        assert refused and all("fd_headroom" in m or "max_sessions_per_connection" in m for m in refused)
+        flood.close()
+        # connections: far more than the descriptors left, as fast as one process connects
+        peer = subprocess.Popen(["/usr/bin/python3", "-c", FLOOD, d.socket, "3000"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, **_as_other_user())
+        assert peer.stdout is not None and int(peer.stdout.readline()) < 3000
+        assert d.proc.poll() is None, d.log()
+        assert keeper.call(Op.PING)["pid"] == d.proc.pid  # an open connection is served on
+        assert keeper.call(Op.STATS)["daemon"]["connections_refused"] > 0
+        peer.communicate("", timeout=30)
+        # with the flood gone, a new engine gets in again
+        wait_for(lambda: _hello_ok(d.socket), "a session after the flood", timeout_s=30)
+        assert d.proc.poll() is None and "Too many open files" not in d.log()
+    finally:
+        if peer is not None and peer.poll() is None:
+            peer.kill()
+        keeper.close()
+        flood.close()
+        d.stop()
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _hello_ok(socket_path: str) -> bool:
+    c = RawClient(socket_path, timeout_s=2)
+    try:
+        return c.send_raw(protocol.encode_request(Op.HELLO, 1, namespace="ns", layout=LAYOUT)) is not None
+    finally:
+        c.close()
+
+
+def test_a_start_on_many_stale_fences_serves_before_the_sweep_ends(daemon_factory):
+    d = daemon_factory(start=False)
+    fence_dir = fence_dir_for(d.socket)
+    os.makedirs(os.path.dirname(fence_dir), mode=0o700, exist_ok=True)
+    os.makedirs(fence_dir, mode=0o750, exist_ok=True)
+    n = 6000
+    for i in range(n):  # an earlier run's sessions on a namespace that is gone: all stale
+        FenceFile.create(fence_dir, f"{i:032x}.fence", namespace="gone", region_id=1, num_pages=8,
+                         handle=f"{i:08x}").close(unlink=False)
+    d.start()
+    c = RawClient(d.socket, timeout_s=30)
+    try:
+        assert c.call(Op.PING)["pid"] == d.pid
+        # a reserve waits for the sweep (no page is handed out before), then is served
+        c.hello("ns", LAYOUT, capacity_bytes=LAYOUT.page_bytes * 8)
+        assert len(c.call(Op.RESERVE, keys=[b"k" * 32])["slots"]) == 1
+        wait_for(lambda: "swept in" in d.log(), "the sweep's end")
+        log = d.log()
+        assert log.index("ready: serving on") < log.index("swept in"), log[-2000:]
+        wait_for(lambda: len(os.listdir(fence_dir)) <= 1, "stale fences removed")
+    finally:
+        c.close()
