@@ -30,6 +30,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 READY_TIMEOUT_S = 20.0
+# Quotas (on by default: half a region per session and per uid) lifted, for tests of
+# other things in which one uid fills a region; tests/daemon/test_tenants.py tests quotas.
+QUOTAS_OFF = ("--session-pin-share", "1", "--session-reserve-share", "1",
+              "--peer-pin-share", "1", "--peer-reserve-share", "1")
 
 
 def _shm_base() -> str:

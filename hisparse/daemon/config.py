@@ -79,11 +79,13 @@ class Config:
     default_namespace_capacity_bytes: int = 1 << 30
     min_page_bytes: int = 64  # a layout with smaller pages is refused (hello: INVALID_ARGUMENT)
     max_namespaces: int = 64
-    # Per session, as a share of its namespace's pages: a refusal is QUOTA_EXCEEDED.
-    # Embedded default 1 (a single tenant may use its whole region, as before);
-    # the shared-node config (systemd/hisparsed.toml) sets 0.5.
-    session_pin_share: float = 1.0
-    session_reserve_share: float = 1.0
+    # Shares of a namespace's pages (quotas.py): per session, and per peer (a uid: all
+    # its sessions together; None: the session's share). A refusal is QUOTA_EXCEEDED.
+    session_pin_share: float = 0.5
+    session_reserve_share: float = 0.5
+    peer_pin_share: float | None = None
+    peer_reserve_share: float | None = None
+    peer_max_namespaces: int = 8  # namespaces one peer may create that the config does not name
     namespaces: dict[str, NamespaceConfig] = field(default_factory=dict)
     lease_ttl_s: float = 10.0
     log_level: str = "INFO"
@@ -126,6 +128,9 @@ class Config:
                 f"min_page_bytes={self.min_page_bytes} max_namespaces={self.max_namespaces} "
                 f"session_pin_share={self.session_pin_share} "
                 f"session_reserve_share={self.session_reserve_share} "
+                f"peer_pin_share={self.peer_pin_share or self.session_pin_share} "
+                f"peer_reserve_share={self.peer_reserve_share or self.session_reserve_share} "
+                f"peer_max_namespaces={self.peer_max_namespaces} "
                 f"lease_ttl={self.lease_ttl_s}s log_level={self.log_level} fresh={self.fresh} "
                 f"metrics={self.metrics_endpoint or 'off'}"
                 f"{' (the default beside the socket is too long a path)' if self.metrics_address is None and not self.metrics_endpoint else ''} "
@@ -216,12 +221,16 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "max_namespaces": ("max_namespaces", _count),
     "session_pin_share": ("session_pin_share", _share),
     "session_reserve_share": ("session_reserve_share", _share),
+    "peer_pin_share": ("peer_pin_share", _share),
+    "peer_reserve_share": ("peer_reserve_share", _share),
+    "peer_max_namespaces": ("peer_max_namespaces", _count),
     "lease_ttl": ("lease_ttl_s", _ttl),
     "log_level": ("log_level", _level),
     "admin_token_file": ("admin_token_file", _path),
     "metrics_address": ("metrics_address", _metrics_address),
 }
-RELOADABLE = ("lease_ttl_s", "log_level", "session_pin_share", "session_reserve_share")
+RELOADABLE = ("lease_ttl_s", "log_level", "session_pin_share", "session_reserve_share",
+              "peer_pin_share", "peer_reserve_share", "peer_max_namespaces")
 
 
 def _group(key: str, value: Any) -> str:

@@ -22,12 +22,14 @@ from typing import Any
 import hisparse
 from hisparse.daemon.access import AccessControl
 from hisparse.daemon.config import Config
-from hisparse.daemon.governance import check_pin_quota, handle_drop, reserve_room
+from hisparse.daemon.governance import handle_drop
+from hisparse.daemon.peers import Peer, from_frame
+from hisparse.daemon.quotas import check_pin_quota, reserve_room, shortfall
 from hisparse.daemon.namespaces import Namespace, Registry
 from hisparse.daemon.opstats import OpStats
 from hisparse.daemon.sessions import PinHold, Session, SessionTable, Zombie
 from hisparse.daemon.proclocks import lock_holders
-from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch
+from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch, QuotaExceeded
 from hisparse.shm.fence import FENCE_DIR_MODE, fence_dir_for
 from hisparse.protocol import (
     VERSION,
@@ -59,6 +61,7 @@ class DaemonContext:
     admin_token: str
     fence_dir: str = ""  # fences/ beside the socket (hisparse.shm.fence); "": derived and created
     peer: bytes = b""  # ZeroMQ routing id of the request being handled
+    peer_frame: Any = None  # its zmq.Frame while it is handled: the kernel's credentials (peers.py)
     started_s: float = field(default_factory=time.monotonic)
     request_shutdown: Callable[[str], None] = lambda reason: None
     evictions_since_log: dict[str, int] = field(default_factory=dict)
@@ -99,6 +102,8 @@ class Deferred:
 def _attach_errors(exc: BaseException) -> WireError | None:
     if isinstance(exc, LayoutMismatch):
         return WireError(ErrorCode.LAYOUT_MISMATCH, str(exc))
+    if isinstance(exc, QuotaExceeded):
+        return WireError(ErrorCode.QUOTA_EXCEEDED, str(exc))
     if isinstance(exc, CapacityError):
         return WireError(ErrorCode.CAPACITY, str(exc))
     if isinstance(exc, InvalidArgument):
@@ -108,9 +113,15 @@ def _attach_errors(exc: BaseException) -> WireError | None:
     return None
 
 
+def peer_of(ctx: DaemonContext) -> Peer:
+    """Who sent the request being handled (uid, gid, pid from SO_PEERCRED when the kernel says)."""
+    return from_frame(ctx.peer_frame, ctx.peer)
+
+
 def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, Any] | Deferred:
+    owner = peer_of(ctx)
     if req.namespace is None:
-        body = _open_session(ctx, None, req, [], ctx.peer)
+        body = _open_session(ctx, None, req, [], owner)
         if req.token is not None and hmac.compare_digest(req.token.encode(), ctx.admin_token.encode()):
             ctx.privileged.add(body["session"])
         return body
@@ -118,19 +129,20 @@ def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, An
     if ctx.access is not None:
         ctx.access.check(req.namespace, req.access_key)
     warnings: list[str] = []
-    peer = ctx.peer  # the connection the session is bound to, also when answered later
     try:
-        got = ctx.registry.attach(req.namespace, req.layout, req.capacity_bytes, warnings)
+        got = ctx.registry.attach(req.namespace, req.layout, req.capacity_bytes, warnings,
+                                  creator=owner, client=req.client)
     except (LayoutMismatch, CapacityError, InvalidArgument) as exc:
         raise _attach_errors(exc) from None  # type: ignore[misc]
     if not isinstance(got, Namespace):  # its region is being allocated off the loop
-        return Deferred(got, lambda ns: _open_session(ctx, ns, req, warnings, peer), _attach_errors)
-    return _open_session(ctx, got, req, warnings, peer)
+        return Deferred(got, lambda ns: _open_session(ctx, ns, req, warnings, owner), _attach_errors)
+    return _open_session(ctx, got, req, warnings, owner)
 
 
 def _open_session(ctx: DaemonContext, ns: Namespace | None, req: HelloRequest,
-                  warnings: list[str], peer: bytes) -> dict[str, Any]:
-    session = ctx.sessions.open(ns, req.client, peer, ctx.fence_dir)
+                  warnings: list[str], owner: Peer) -> dict[str, Any]:
+    # bound to the connection that said hello (owner.connection), also when answered later
+    session = ctx.sessions.open(ns, req.client, owner.connection, ctx.fence_dir, owner)
     if ns is not None:
         log.info("attach: %s", session.describe())
     else:
@@ -197,14 +209,17 @@ def _require_fence(session: Session, what: str) -> None:
 def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
     ns = _ns(session)
     _require_fence(session, "reserve")
-    slots, evicted = ns.index.reserve(req.keys, session.reservations, reserve_room(ctx, session))
+    room, limit = reserve_room(ctx, session)
+    slots, evicted = ns.index.reserve(req.keys, session.reservations, room)
     # The hold is on record before the reply grants it: a successor daemon fences it.
-    session.fence.add_reserved([s for s in slots if s >= 0])  # type: ignore[union-attr]
+    new = [s for s in slots if s >= 0]
+    session.fence.add_reserved(new)  # type: ignore[union-attr]
     if evicted:
         ctx.evictions_since_log[ns.name] = ctx.evictions_since_log.get(ns.name, 0) + len(evicted)
     if ctx.cluster is not None:
         ctx.cluster.reserved(ns)
-    return {"slots": slots, "evicted": evicted}
+    return {"slots": slots, "evicted": evicted,
+            "shortfall": shortfall(ctx, session, len(req.keys), len(slots), len(new), room, limit)}
 
 
 def _held(session: Session, keys: tuple[bytes, ...], what: str) -> list[int]:
@@ -307,6 +322,8 @@ def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) ->
     held = _held(session, req.keys, "publish")
     if len(set(req.as_keys)) != len(req.as_keys):
         raise WireError(ErrorCode.INVALID_ARGUMENT, "publish: an as_key is listed twice (nothing changed)")
+    if req.pin:
+        check_pin_quota(ctx, session, held)  # a publish that pins is a pin (nothing changed if refused)
     pages: list[int] = []
     done: list[tuple[bytes, int]] = []
     for key, new_key, page in zip(req.keys, req.as_keys, held):
@@ -350,7 +367,7 @@ def handle_bye(ctx: DaemonContext, session: Session, req: Request) -> dict[str, 
 def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str, Any]:
     namespaces = {}
     ctx.privileged &= ctx.sessions.sessions.keys()
-    # session None: the metrics endpoint, an operator's view (its unix socket is 0600)
+    # session None: the metrics endpoint (metrics.take_snapshot filters by who scrapes)
     sees_all = session is None or session.id in ctx.privileged or ctx.access is None
     for name, ns in ctx.registry.namespaces.items():
         if not sees_all and ctx.access.restricted(name) and session.namespace is not ns:  # type: ignore[union-attr]
@@ -359,7 +376,10 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
         snap.update(page_bytes=ns.layout.page_bytes, size_bytes=ns.geometry.size_bytes,
                     committed_bytes=snap["committed_pages"] * ns.layout.page_bytes,
                     sessions=ctx.sessions.count_for(ns),
-                    layout=ns.layout.to_wire())
+                    layout=ns.layout.to_wire(),
+                    # who created it: uid/gid/pid (the kernel's word) and the hello's client text;
+                    # None for a namespace adopted from an earlier run
+                    creator=ns.creator)
         namespaces[name] = snap
     daemon: dict[str, Any] = {
         "version": hisparse.__version__, "pid": os.getpid(),

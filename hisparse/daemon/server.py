@@ -201,7 +201,8 @@ class Server:
             deadline = time.monotonic() + MAX_BATCH_S
             for _ in range(MAX_BATCH):
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                    # Frames, not bytes: the last one carries the peer's credentials (peers.py).
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 self._handle(frames)
@@ -214,7 +215,8 @@ class Server:
         except Exception:
             log.error("error in the receive loop; serving on", exc_info=True)
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _handle(self, parts: list[zmq.Frame]) -> None:
+        frames = [part.bytes for part in parts]
         identity, body = frames[0], frames[1:]
         # A DEALER sends [payload]; a REQ sends ["", payload]: answer in kind.
         envelope: list[bytes] = []
@@ -224,7 +226,11 @@ class Server:
             reply = protocol.encode_error(None, ErrorCode.PROTOCOL_ERROR,
                                           f"expected one frame per request, got {len(body)}")
         else:
-            result = dispatch(self.ctx, body[0], identity)
+            self.ctx.peer_frame = parts[-1]
+            try:
+                result = dispatch(self.ctx, body[0], identity)
+            finally:
+                self.ctx.peer_frame = None
             if isinstance(result, tuple):
                 rid, deferred = result
                 deferred.future.add_done_callback(

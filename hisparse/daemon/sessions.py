@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from hisparse.daemon.namespaces import Namespace, Registry
+from hisparse.daemon.peers import Peer, uid_of_pid
+from hisparse.daemon.proclocks import lock_holders
 from hisparse.errors import InvalidArgument
 from hisparse.shm.fence import FENCE_SUFFIX, LOST, FenceFile
 
@@ -59,10 +61,15 @@ class Session:
     fence_verified: bool = False  # the client's lock on its fence was seen once
     reservations: dict[bytes, int] = field(default_factory=dict)  # key -> page (WRITING)
     pins: dict[int, PinHold] = field(default_factory=dict)  # page -> hold
+    owner: Peer = field(default_factory=lambda: Peer(None, None, None))  # quotas count by its key
 
     @property
     def handle(self) -> str:
         return handle_of(self.id)
+
+    def held_pages(self) -> tuple[int, int]:
+        """(reserved, pinned) pages, as quotas count them."""
+        return len(self.reservations), len(self.pins)
 
     def describe(self) -> str:
         ns = self.namespace.name if self.namespace else "(admin)"
@@ -86,6 +93,11 @@ class Zombie:
     opened_unix_s: float
     fenced_pages: list[int]  # its reservations: FENCED, never visible, not reusable
     pins: dict[int, int]  # page -> pins still held for it
+    owner: Peer | None = None  # None: adopted from an earlier run (counted against nobody)
+
+    def held_pages(self) -> tuple[int, int]:
+        """(fenced, pinned) pages: still held for the peer that owned the session."""
+        return len(self.fenced_pages), len(self.pins)
 
     def describe(self) -> str:
         return (f"session {self.handle} [{self.client or 'anonymous'}] on {self.namespace.name} "
@@ -102,19 +114,34 @@ class Zombie:
         return len(self.fenced_pages), dropped
 
 
+def only_foreign_holders(pids: list[int], uid: int) -> bool:
+    """True when every holder is known and none runs as ``uid``, the session's own user.
+
+    Another user's process cannot be copying for the session (it was never told the
+    fence's name, nor can it map a restricted region); holding the lock is all it can do.
+    A holder the daemon cannot place (another PID namespace, /proc unreadable) counts as
+    the session's own: its pages stay fenced.
+    """
+    if not pids:
+        return False
+    uids = [uid_of_pid(pid) for pid in pids]
+    return all(u is not None and u != uid for u in uids)
+
+
 class SessionTable:
     def __init__(self, lease_ttl_s: float, clock=time.monotonic) -> None:
         self.lease_ttl_s = lease_ttl_s
         self._clock = clock
         self.sessions: dict[int, Session] = {}
         self.zombies: dict[str, Zombie] = {}  # fence name -> zombie
+        self._owned: dict[object, dict[object, Session | Zombie]] = {}  # peer key -> its holders
         self.expired_total = 0
         self.zombies_released_total = 0
 
     # -- live sessions --
 
     def open(self, namespace: Namespace | None, client: str, peer: bytes = b"",
-             fence_dir: str | None = None) -> Session:
+             fence_dir: str | None = None, owner: Peer | None = None) -> Session:
         now = self._clock()
         sid = secrets.randbits(62)
         while sid in self.sessions or sid == 0:
@@ -127,7 +154,9 @@ class SessionTable:
                                      namespace=namespace.name, region_id=namespace.region_id,
                                      num_pages=namespace.geometry.num_pages, handle=handle_of(sid))
         session = Session(sid, namespace, client, peer, fence, now, now)
+        session.owner = owner if owner is not None else Peer(None, None, None, peer)
         self.sessions[sid] = session
+        self._owned.setdefault(session.owner.key, {})[sid] = session
         return session
 
     def get(self, sid: int, peer: bytes) -> Session | None:
@@ -145,6 +174,7 @@ class SessionTable:
         session, or a fence already free: then everything is freed now).
         """
         self.sessions.pop(session.id, None)
+        self._disown(session.owner.key, session.id)
         if session.namespace is None or session.fence is None:
             return None
         index = session.namespace.index
@@ -155,13 +185,13 @@ class SessionTable:
         session.reservations.clear()
         zombie = Zombie(session.handle, session.namespace, session.client, session.fence, reason,
                         self._clock(), session.fence.header.created_unix_s, fenced,
-                        {page: hold.count for page, hold in session.pins.items()})
+                        {page: hold.count for page, hold in session.pins.items()}, session.owner)
         session.pins.clear()
         session.fence.set_state(LOST)
         if (not fenced and not zombie.pins) or session.fence.holder_gone():
             zombie.release()
             return None
-        self.zombies[session.fence.name] = zombie
+        self._add_zombie(zombie)
         return zombie
 
     def evict(self, session: Session) -> tuple[int, int]:
@@ -169,7 +199,7 @@ class SessionTable:
         zombie = self.end(session, "evicted")
         if zombie is None:
             return 0, 0
-        del self.zombies[zombie.fence.name]
+        self._drop_zombie(zombie)
         return zombie.release()
 
     def expire(self) -> list[tuple[Session, Zombie | None]]:
@@ -184,19 +214,50 @@ class SessionTable:
     # -- zombies --
 
     def reap_zombies(self) -> list[tuple[Zombie, int, int]]:
-        """Free the pages of every zombie whose fence no process holds any more."""
+        """Free the pages of every zombie whose fence no process of its own holds any more."""
         out = []
+        holders: dict | None = None  # /proc/locks, read once per tick and only when needed
         for name, zombie in list(self.zombies.items()):
-            if zombie.fence.holder_gone():
-                del self.zombies[name]
+            gone = zombie.fence.holder_gone()
+            if not gone and zombie.owner is not None and zombie.owner.uid is not None:
+                if holders is None:
+                    holders = lock_holders()
+                gone = only_foreign_holders(holders.get(zombie.fence.inode(), []), zombie.owner.uid)
+                if gone:
+                    log.warning("fence of %s is held only by processes of other users (pids %s): "
+                                "not its own, ignored", zombie.describe(),
+                                holders.get(zombie.fence.inode()))
+            if gone:
+                self._drop_zombie(zombie)
                 freed, dropped = zombie.release()
                 self.zombies_released_total += 1
                 out.append((zombie, freed, dropped))
         return out
 
     def release_zombie(self, zombie: Zombie) -> tuple[int, int]:
-        del self.zombies[zombie.fence.name]
+        self._drop_zombie(zombie)
         return zombie.release()
+
+    def _add_zombie(self, zombie: Zombie) -> None:
+        self.zombies[zombie.fence.name] = zombie
+        if zombie.owner is not None:
+            self._owned.setdefault(zombie.owner.key, {})[zombie.fence.name] = zombie
+
+    def _drop_zombie(self, zombie: Zombie) -> None:
+        del self.zombies[zombie.fence.name]
+        if zombie.owner is not None:
+            self._disown(zombie.owner.key, zombie.fence.name)
+
+    def _disown(self, key: object, name: object) -> None:
+        held = self._owned.get(key)
+        if held is not None:
+            held.pop(name, None)
+            if not held:
+                del self._owned[key]
+
+    def owned_by(self, key: object) -> list[Session | Zombie]:
+        """Live sessions and fenced ones of one peer (``Peer.key``)."""
+        return list(self._owned.get(key, {}).values())
 
     def find(self, handle: str) -> Session | Zombie | None:
         """The live session or zombie whose handle is ``handle``; InvalidArgument when ambiguous."""
@@ -248,6 +309,7 @@ class SessionTable:
             zombie.fence.close(unlink=False)
         self.sessions.clear()
         self.zombies.clear()
+        self._owned.clear()
 
     # -- reads --
 

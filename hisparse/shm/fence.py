@@ -49,7 +49,9 @@ HOLD_BYTES = 4
 FENCE_SUFFIX = ".fence"
 FENCE_DIR_NAME = "fences"
 FENCE_FILE_MODE = 0o640  # the daemon writes; clients of its group open it to lock it
-FENCE_DIR_MODE = 0o750
+# Group may traverse, not list: a fence's name (128 random bits) is told only to the
+# connection that opened its session, so no other tenant can find a fence to lock it.
+FENCE_DIR_MODE = 0o710
 
 LIVE = 1
 LOST = 2
