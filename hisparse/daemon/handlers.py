@@ -323,7 +323,7 @@ def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) ->
     if len(set(req.as_keys)) != len(req.as_keys):
         raise WireError(ErrorCode.INVALID_ARGUMENT, "publish: an as_key is listed twice (nothing changed)")
     if req.pin:
-        check_pin_quota(ctx, session, held)  # a publish that pins is a pin (nothing changed if refused)
+        check_pin_quota(ctx, session, held, reserved_now=True)  # a pin (nothing changed if refused)
     pages: list[int] = []
     done: list[tuple[bytes, int]] = []
     for key, new_key, page in zip(req.keys, req.as_keys, held):

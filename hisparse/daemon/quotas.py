@@ -8,7 +8,10 @@ that takes a page (``reserve``; ``pin``; ``publish`` with ``pin``):
 - per **peer** (``peer_reserve_share``, ``peer_pin_share``; unset: the
   session's share): every session of one uid together, ended sessions whose
   pages are still fenced included (``peers`` says why the uid). Opening more
-  sessions, connections or processes buys nothing.
+  sessions, connections or processes buys nothing. And what a peer holds in
+  all (reserved + pinned) stays within the larger of its two shares, so with
+  the defaults (0.5) one uid never holds more than half a region, whatever
+  mix of pins and reservations it tries: the rest stays evictable for others.
 
 A reserve beyond a share is cut short, and its reply says so
 (``shortfall``: by ``quota``, naming the share, or by ``room``, saying who
@@ -60,23 +63,32 @@ def _shares(ctx: DaemonContext) -> tuple[float, float, float, float]:
     return cfg.session_reserve_share, peer_reserve, cfg.session_pin_share, peer_pin
 
 
+def _hold_limit(ctx: DaemonContext, num_pages: int) -> int:
+    """Pages one peer may hold in all, reserved and pinned together."""
+    _, peer_reserve, _, peer_pin = _shares(ctx)
+    return limit_pages(max(peer_reserve, peer_pin), num_pages)
+
+
 def reserve_room(ctx: DaemonContext, session: Session) -> tuple[int, str]:
     """New pages ``session`` may reserve, and the limit that says so; ``QUOTA_EXCEEDED`` when none."""
     ns = session.namespace
     assert ns is not None
     num_pages = ns.geometry.num_pages
     session_share, peer_share, _, _ = _shares(ctx)
-    session_room = limit_pages(session_share, num_pages) - len(session.reservations)
-    peer_room = limit_pages(peer_share, num_pages) - peer_usage(ctx, session, ns)[0]
-    if session_room <= peer_room:
-        room, limit = session_room, f"session_reserve_share {session_share} of {num_pages} pages"
-    else:
-        room, limit = peer_room, (f"peer_reserve_share {peer_share} of {num_pages} pages, for every "
-                                  f"session of {session.owner.describe()} together")
+    reserved, pinned = peer_usage(ctx, session, ns)
+    rooms = [(limit_pages(session_share, num_pages) - len(session.reservations),
+              f"session_reserve_share {session_share} of {num_pages} pages"),
+             (limit_pages(peer_share, num_pages) - reserved,
+              f"peer_reserve_share {peer_share} of {num_pages} pages, for every session of "
+              f"{session.owner.describe()} together"),
+             (_hold_limit(ctx, num_pages) - reserved - pinned,
+              f"peer_reserve_share: {reserved + pinned} pages reserved or pinned by every session of "
+              f"{session.owner.describe()} together, at most {_hold_limit(ctx, num_pages)} (the larger "
+              f"of peer_pin_share and peer_reserve_share of {num_pages} pages)")]
+    room, limit = min(rooms, key=lambda r: r[0])
     if room <= 0:
         raise WireError(ErrorCode.QUOTA_EXCEEDED,
-                        f"reserve: this session's reservations are at their limit ({limit}); "
-                        "commit or abort some first")
+                        f"reserve: no room left within {limit}; commit, abort or unpin some first")
     return room, limit
 
 
@@ -91,7 +103,7 @@ def shortfall(ctx: DaemonContext, session: Session, asked: int, answered: int, g
     ns = session.namespace
     assert ns is not None
     if got >= room:
-        body = {"by": "quota", "limit": limit.split()[0],
+        body = {"by": "quota", "limit": limit.split()[0].rstrip(":"),
                 "message": f"reserve cut short after {got} new pages: {limit}"}
     else:
         snap = ns.index.snapshot()
@@ -114,8 +126,13 @@ def _warn(session: Session, namespace: str, message: str) -> None:
     log.warning("store short for %s (%s): %s", session.describe(), session.owner.describe(), message)
 
 
-def check_pin_quota(ctx: DaemonContext, session: Session, pages: list[int]) -> None:
-    """Refuse (nothing pinned) a pin that would take ``session`` or its peer past its pin share."""
+def check_pin_quota(ctx: DaemonContext, session: Session, pages: list[int],
+                    reserved_now: bool = False) -> None:
+    """Refuse (nothing pinned) a pin that would take ``session`` or its peer past its pin share.
+
+    ``reserved_now``: the pages are this session's reservations (publish): pinning them
+    does not add to what the peer holds in all.
+    """
     ns = session.namespace
     assert ns is not None
     num_pages = ns.geometry.num_pages
@@ -129,10 +146,18 @@ def check_pin_quota(ctx: DaemonContext, session: Session, pages: list[int]) -> N
         raise WireError(ErrorCode.QUOTA_EXCEEDED,
                         f"pin: {after} pinned pages would pass this session's limit of {limit} "
                         f"(session_pin_share {session_share} of {num_pages} pages); unpin some first")
+    reserved, pinned = peer_usage(ctx, session, ns)
     limit = limit_pages(peer_share, num_pages)
-    after = peer_usage(ctx, session, ns)[1] + new
+    after = pinned + new
     if after > limit:
         raise WireError(ErrorCode.QUOTA_EXCEEDED,
                         f"pin: {after} pinned pages would pass the limit of {limit} for every session "
                         f"of {session.owner.describe()} together (peer_pin_share {peer_share} of "
                         f"{num_pages} pages); unpin some first")
+    hold = _hold_limit(ctx, num_pages)
+    if not reserved_now and reserved + pinned + new > hold:
+        raise WireError(ErrorCode.QUOTA_EXCEEDED,
+                        f"pin: {reserved + pinned + new} pages reserved or pinned would pass the limit "
+                        f"of {hold} for every session of {session.owner.describe()} together (the "
+                        f"larger of peer_pin_share and peer_reserve_share of {num_pages} pages); "
+                        "unpin or commit some first")
