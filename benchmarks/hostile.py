@@ -12,7 +12,9 @@ baseline measured in the same run:
 - oversized: two peers each send one 512 MiB frame;
 - creation: another namespace of ``--big-namespace`` is created (its region
   allocated) meanwhile;
-- SIGTERM under the flood: seconds until the daemon has exited.
+- SIGTERM under the flood: seconds until the daemon has exited;
+- then tenants against each other (``hostile_tenants.py``: fence locks, quota
+  bypass, namespace squatting, metrics, silent zero), alone with ``--tenants-only``.
 
 Memory is the daemon's peak resident set (``VmHWM``), so nothing between
 samples is missed.
@@ -157,7 +159,11 @@ def main() -> int:
     p.add_argument("--flooders", type=int, default=3)
     p.add_argument("--big-namespace", default="2GiB")
     p.add_argument("--oversized", default="512MiB")
+    p.add_argument("--tenants-only", action="store_true", help="only the tenant attacks (4-8)")
     args = p.parse_args()
+    if args.tenants_only:
+        run_tenant_attacks(args.seconds)
+        return 0
     big = parse_size(args.big_namespace)
     with start_daemon(str(big + (512 << 20)), extra=("--log-level", "WARNING")) as d:
         wb = WellBehaved(d.socket)
@@ -196,7 +202,17 @@ def main() -> int:
             d.proc.send_signal(signal.SIGTERM)
             d.proc.wait(60)
             print(f"SIGTERM under the flood: exited {d.proc.returncode} in {time.monotonic() - t0:.2f}s")
+    run_tenant_attacks(args.seconds)
     return 0
+
+
+def run_tenant_attacks(seconds: float) -> None:
+    """Attacks 4-8 (tenants against each other): benchmarks/hostile_tenants.py."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from hostile_tenants import run
+
+    print()
+    run(seconds)
 
 
 if __name__ == "__main__":
