@@ -280,17 +280,21 @@ def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[s
     ns.index.pin_pages(pages)
     session.fence.add_pins(pages)  # type: ignore[union-attr]
     pins = session.pins
+    added = []
     for key, page in zip(req.keys, pages):
         held = pins.get(page)
         if held is None:
             pins[page] = PinHold(key, 1)
+            added.append(page)
         else:
             held.count += 1
+    ctx.sessions.note_pins(session.owner.key, ns.name, added, [])
     return {"count": len(pages), "pages": pages}
 
 
 def handle_unpin(ctx: DaemonContext, session: Session, req: PagesRequest) -> dict[str, Any]:
-    index = _ns(session).index
+    ns = _ns(session)
+    index = ns.index
     need: dict[int, int] = {}
     for i, page in enumerate(req.pages):
         need[page] = need.get(page, 0) + 1
@@ -299,12 +303,15 @@ def handle_unpin(ctx: DaemonContext, session: Session, req: PagesRequest) -> dic
             raise WireError(ErrorCode.NOT_HELD,
                             f"unpin: pages[{i}] = {page} is not pinned by this session "
                             "(that many times); nothing changed")
+    gone = []
     for page in req.pages:
         held = session.pins[page]
         index.unpin(page)
         held.count -= 1
         if held.count == 0:
             del session.pins[page]
+            gone.append(page)
+    ctx.sessions.note_pins(session.owner.key, ns.name, [], gone)
     session.fence.remove_pins(list(req.pages))  # type: ignore[union-attr]
     return {"unpinned": len(req.pages)}
 
@@ -341,6 +348,7 @@ def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) ->
             hold = session.pins.get(page)
             if hold is None:
                 session.pins[page] = PinHold(new_key, 1)
+                ctx.sessions.note_pins(session.owner.key, ns.name, [page], [])
             else:
                 hold.count += 1
         session.fence.clear_reserved([page])  # type: ignore[union-attr]

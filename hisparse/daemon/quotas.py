@@ -45,15 +45,12 @@ def limit_pages(share: float, num_pages: int) -> int:
 
 
 def peer_usage(ctx: DaemonContext, session: Session, ns: Namespace) -> tuple[int, int]:
-    """(reserved, pinned) pages of ``session``'s peer in ``ns``: live sessions and fenced ones."""
-    reserved = pinned = 0
+    """(reserved, distinct pinned) pages of ``session``'s peer in ``ns``: live sessions and fenced ones."""
+    reserved = 0
     for held in ctx.sessions.owned_by(session.owner.key):
-        if held.namespace is not ns:
-            continue
-        r, p = held.held_pages()
-        reserved += r
-        pinned += p
-    return reserved, pinned
+        if held.namespace is ns:
+            reserved += held.held_pages()[0]
+    return reserved, ctx.sessions.pinned_by(session.owner.key, ns.name)
 
 
 def _shares(ctx: DaemonContext) -> tuple[float, float, float, float]:
@@ -75,16 +72,21 @@ def reserve_room(ctx: DaemonContext, session: Session) -> tuple[int, str]:
     assert ns is not None
     num_pages = ns.geometry.num_pages
     session_share, peer_share, _, _ = _shares(ctx)
-    reserved, pinned = peer_usage(ctx, session, ns)
     rooms = [(limit_pages(session_share, num_pages) - len(session.reservations),
-              f"session_reserve_share {session_share} of {num_pages} pages"),
-             (limit_pages(peer_share, num_pages) - reserved,
-              f"peer_reserve_share {peer_share} of {num_pages} pages, for every session of "
-              f"{session.owner.describe()} together"),
-             (_hold_limit(ctx, num_pages) - reserved - pinned,
-              f"peer_reserve_share: {reserved + pinned} pages reserved or pinned by every session of "
-              f"{session.owner.describe()} together, at most {_hold_limit(ctx, num_pages)} (the larger "
-              f"of peer_pin_share and peer_reserve_share of {num_pages} pages)")]
+              f"session_reserve_share {session_share} of {num_pages} pages")]
+    # a peer limit of the whole region is none: the region's own size bounds it (room, not quota)
+    hold, peer_limit = _hold_limit(ctx, num_pages), limit_pages(peer_share, num_pages)
+    if peer_limit < num_pages or hold < num_pages:
+        reserved, pinned = peer_usage(ctx, session, ns)
+    if peer_limit < num_pages:
+        rooms.append((peer_limit - reserved,
+                      f"peer_reserve_share {peer_share} of {num_pages} pages, for every session of "
+                      f"{session.owner.describe()} together"))
+    if hold < num_pages:
+        rooms.append((hold - reserved - pinned,
+                      f"peer_reserve_share: {reserved + pinned} pages reserved or pinned by every session "
+                      f"of {session.owner.describe()} together, at most {hold} (the larger of "
+                      f"peer_pin_share and peer_reserve_share of {num_pages} pages)"))
     room, limit = min(rooms, key=lambda r: r[0])
     if room <= 0:
         raise WireError(ErrorCode.QUOTA_EXCEEDED,
@@ -146,16 +148,20 @@ def check_pin_quota(ctx: DaemonContext, session: Session, pages: list[int],
         raise WireError(ErrorCode.QUOTA_EXCEEDED,
                         f"pin: {after} pinned pages would pass this session's limit of {limit} "
                         f"(session_pin_share {session_share} of {num_pages} pages); unpin some first")
+    hold, limit = _hold_limit(ctx, num_pages), limit_pages(peer_share, num_pages)
+    if hold >= num_pages and limit >= num_pages:
+        return  # peer shares of 1: no peer limit
     reserved, pinned = peer_usage(ctx, session, ns)
-    limit = limit_pages(peer_share, num_pages)
+    new = len(set(pages) - ctx.sessions.peer_pinned_pages(session.owner.key, ns.name).keys())
+    if not new:
+        return
     after = pinned + new
     if after > limit:
         raise WireError(ErrorCode.QUOTA_EXCEEDED,
                         f"pin: {after} pinned pages would pass the limit of {limit} for every session "
                         f"of {session.owner.describe()} together (peer_pin_share {peer_share} of "
                         f"{num_pages} pages); unpin some first")
-    hold = _hold_limit(ctx, num_pages)
-    if not reserved_now and reserved + pinned + new > hold:
+    if not reserved_now and hold < num_pages and reserved + pinned + new > hold:
         raise WireError(ErrorCode.QUOTA_EXCEEDED,
                         f"pin: {reserved + pinned + new} pages reserved or pinned would pass the limit "
                         f"of {hold} for every session of {session.owner.describe()} together (the "

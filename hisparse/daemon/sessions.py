@@ -135,6 +135,7 @@ class SessionTable:
         self.sessions: dict[int, Session] = {}
         self.zombies: dict[str, Zombie] = {}  # fence name -> zombie
         self._owned: dict[object, dict[object, Session | Zombie]] = {}  # peer key -> its holders
+        self._peer_pins: dict[tuple[object, str], dict[int, int]] = {}  # -> page: sessions pinning it
         self.expired_total = 0
         self.zombies_released_total = 0
 
@@ -189,7 +190,7 @@ class SessionTable:
         session.pins.clear()
         session.fence.set_state(LOST)
         if (not fenced and not zombie.pins) or session.fence.holder_gone():
-            zombie.release()
+            self._release(zombie)
             return None
         self._add_zombie(zombie)
         return zombie
@@ -200,7 +201,7 @@ class SessionTable:
         if zombie is None:
             return 0, 0
         self._drop_zombie(zombie)
-        return zombie.release()
+        return self._release(zombie)
 
     def expire(self) -> list[tuple[Session, Zombie | None]]:
         """End every session silent for the lease ttl."""
@@ -229,14 +230,42 @@ class SessionTable:
                                 holders.get(zombie.fence.inode()))
             if gone:
                 self._drop_zombie(zombie)
-                freed, dropped = zombie.release()
+                freed, dropped = self._release(zombie)
                 self.zombies_released_total += 1
                 out.append((zombie, freed, dropped))
         return out
 
     def release_zombie(self, zombie: Zombie) -> tuple[int, int]:
         self._drop_zombie(zombie)
+        return self._release(zombie)
+
+    def _release(self, zombie: Zombie) -> tuple[int, int]:
+        if zombie.owner is not None:
+            self.note_pins(zombie.owner.key, zombie.namespace.name, [], list(zombie.pins))
         return zombie.release()
+
+    # -- distinct pages pinned per peer (quotas: two sessions of one uid pinning a page hold it once) --
+
+    def note_pins(self, key: object, namespace: str, added: list[int], removed: list[int]) -> None:
+        """Pages one session of peer ``key`` began or stopped pinning (its first pin, its last unpin)."""
+        counts = self._peer_pins.setdefault((key, namespace), {})
+        for page in added:
+            counts[page] = counts.get(page, 0) + 1
+        for page in removed:
+            left = counts.get(page, 0) - 1
+            if left > 0:
+                counts[page] = left
+            else:
+                counts.pop(page, None)
+        if not counts:
+            del self._peer_pins[(key, namespace)]
+
+    def peer_pinned_pages(self, key: object, namespace: str) -> dict[int, int]:
+        return self._peer_pins.get((key, namespace), {})
+
+    def pinned_by(self, key: object, namespace: str) -> int:
+        """Distinct pages of ``namespace`` that sessions of peer ``key`` (ended ones too) pin."""
+        return len(self._peer_pins.get((key, namespace), ()))
 
     def _add_zombie(self, zombie: Zombie) -> None:
         self.zombies[zombie.fence.name] = zombie
@@ -310,6 +339,7 @@ class SessionTable:
         self.sessions.clear()
         self.zombies.clear()
         self._owned.clear()
+        self._peer_pins.clear()
 
     # -- reads --
 

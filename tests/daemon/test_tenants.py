@@ -213,3 +213,21 @@ def test_metrics_show_a_restricted_namespace_only_to_whom_stats_would(daemon_fac
         assert 'namespace="secret-ns"' in text
     finally:
         c.close()
+
+
+def test_a_page_pinned_by_two_sessions_of_one_uid_counts_once(daemon_factory):
+    # a scheduler and its worker (or two replicas) pin the same prefix: it is held once
+    d = daemon_factory()  # defaults: one uid pins at most half the region
+    a, b = RawClient(d.socket), RawClient(d.socket)
+    try:
+        a.hello("ns", LAYOUT, 192 * PAGES)
+        b.hello("ns", LAYOUT, 192 * PAGES)
+        keys = keys_for("shared", PAGES // 2)
+        assert a.store(keys, [_page("s", i) for i in range(PAGES // 2)]) == PAGES // 2
+        assert a.call(Op.PIN, keys=keys)["count"] == PAGES // 2
+        assert b.call(Op.PIN, keys=keys)["count"] == PAGES // 2, "the same 8 pages: still the uid's 8"
+        more = keys_for("more", 1)
+        assert b.request(Op.RESERVE, keys=more).error_code == "QUOTA_EXCEEDED", "8 held: the uid's half"
+    finally:
+        a.close()
+        b.close()
