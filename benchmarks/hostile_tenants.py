@@ -252,6 +252,7 @@ def run(seconds: float) -> None:
     who = f"uid {ATTACKER_UID}" if os.geteuid() == 0 else "this uid (not root: one tenant)"
     with tenant_daemon(port) as (sock, proc):
         engine = Engine(sock)
+        secret = client.attach("secret-ns", LAYOUT, socket=sock)  # a member of its group works in it
         print(f"tenant attacks (4-8) as {who}; engine stores 8-page prefixes of a {PAGES}-page region; "
               f"{seconds:.0f}s a scenario")
         print(f"{'scenario':<22} {'store p50':>8} {'p99 ms':>8} {'stored':>7} {'loaded':>7} {'stores':>7}  attack")
@@ -292,4 +293,5 @@ def run(seconds: float) -> None:
                                                f"in {attach_ms:.1f} ms"))
         with attacker(lambda: _scrape(port)) as got:
             print(_row("7 metrics over TCP", engine.run(seconds), json.dumps(got.get("ok", got))))
+        secret.close()
         engine.client.close()
