@@ -114,6 +114,9 @@ class Zombie:
         return len(self.fenced_pages), dropped
 
 
+FOREIGN_CHECK_INTERVAL_S = 1.0  # /proc/locks is read at most this often (it lists every lock)
+
+
 def only_foreign_holders(pids: list[int], uid: int) -> bool:
     """True when every holder is known and none runs as ``uid``, the session's own user.
 
@@ -136,6 +139,7 @@ class SessionTable:
         self.zombies: dict[str, Zombie] = {}  # fence name -> zombie
         self._owned: dict[object, dict[object, Session | Zombie]] = {}  # peer key -> its holders
         self._peer_pins: dict[tuple[object, str], dict[int, int]] = {}  # -> page: sessions pinning it
+        self._foreign_checked_s = float("-inf")  # when /proc/locks was last read for foreign holders
         self.expired_total = 0
         self.zombies_released_total = 0
 
@@ -218,9 +222,12 @@ class SessionTable:
         """Free the pages of every zombie whose fence no process of its own holds any more."""
         out = []
         holders: dict | None = None  # /proc/locks, read once per tick and only when needed
+        now = self._clock()
+        look = now - self._foreign_checked_s >= FOREIGN_CHECK_INTERVAL_S
         for name, zombie in list(self.zombies.items()):
             gone = zombie.fence.holder_gone()
-            if not gone and zombie.owner is not None and zombie.owner.uid is not None:
+            if not gone and look and zombie.owner is not None and zombie.owner.uid is not None:
+                self._foreign_checked_s = now
                 if holders is None:
                     holders = lock_holders()
                 gone = only_foreign_holders(holders.get(zombie.fence.inode(), []), zombie.owner.uid)
