@@ -79,8 +79,7 @@ class Config:
     default_namespace_capacity_bytes: int = 1 << 30
     min_page_bytes: int = 64  # a layout with smaller pages is refused (hello: INVALID_ARGUMENT)
     max_namespaces: int = 64
-    # Shares of a namespace's pages (quotas.py): per session, and per peer (a uid: all
-    # its sessions together; None: the session's share). A refusal is QUOTA_EXCEEDED.
+    # Shares of a namespace's pages (quotas.py), per session and per peer (a uid; None: the session's).
     session_pin_share: float = 0.5
     session_reserve_share: float = 0.5
     peer_pin_share: float | None = None
@@ -126,13 +125,10 @@ class Config:
                 f"capacity={format_size(self.capacity_bytes)} "
                 f"default_namespace_capacity={format_size(self.default_namespace_capacity_bytes)} "
                 f"min_page_bytes={self.min_page_bytes} max_namespaces={self.max_namespaces} "
-                f"session_pin_share={self.session_pin_share} "
-                f"session_reserve_share={self.session_reserve_share} "
-                f"peer_pin_share={self.peer_pin_share or self.session_pin_share} "
-                f"peer_reserve_share={self.peer_reserve_share or self.session_reserve_share} "
-                f"peer_max_namespaces={self.peer_max_namespaces} "
-                f"lease_ttl={self.lease_ttl_s}s log_level={self.log_level} fresh={self.fresh} "
-                f"metrics={self.metrics_endpoint or 'off'}"
+                f"shares (session/peer): pin={self.session_pin_share}/{self.peer_pin_share or self.session_pin_share} "
+                f"reserve={self.session_reserve_share}/{self.peer_reserve_share or self.session_reserve_share} "
+                f"peer_max_namespaces={self.peer_max_namespaces} lease_ttl={self.lease_ttl_s}s "
+                f"log_level={self.log_level} fresh={self.fresh} metrics={self.metrics_endpoint or 'off'}"
                 f"{' (the default beside the socket is too long a path)' if self.metrics_address is None and not self.metrics_endpoint else ''} "
                 f"namespaces=[{ns}] {self.cluster.summary()} "
                 f"config={self.config_file or '(embedded defaults)'}")
@@ -166,14 +162,16 @@ def _ttl(key: str, value: Any) -> float:
     return ttl
 
 
-def _count(key: str, value: Any) -> int:
-    try:
-        number = int(value) if not isinstance(value, (bool, float)) else None
-    except (TypeError, ValueError):
-        number = None
-    if number is None or not 1 <= number <= 1 << 20:
-        raise ConfigError(f"{key}: must be a whole number from 1 to {1 << 20}, not {value!r}")
-    return number
+def _count(low: int, high: int) -> Any:
+    def parse(key: str, value: Any) -> int:
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: must be an integer, not {value!r}") from None
+        if isinstance(value, (bool, float)) or not low <= n <= high:
+            raise ConfigError(f"{key}: must be an integer from {low} to {high}, not {value!r}")
+        return n
+    return parse
 
 
 def _share(key: str, value: Any) -> float:
@@ -218,19 +216,19 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "capacity": ("capacity_bytes", _size),
     "default_namespace_capacity": ("default_namespace_capacity_bytes", _size),
     "min_page_bytes": ("min_page_bytes", _size),
-    "max_namespaces": ("max_namespaces", _count),
+    "max_namespaces": ("max_namespaces", _count(1, 1 << 20)),
     "session_pin_share": ("session_pin_share", _share),
     "session_reserve_share": ("session_reserve_share", _share),
     "peer_pin_share": ("peer_pin_share", _share),
     "peer_reserve_share": ("peer_reserve_share", _share),
-    "peer_max_namespaces": ("peer_max_namespaces", _count),
+    "peer_max_namespaces": ("peer_max_namespaces", _count(1, 1 << 20)),
     "lease_ttl": ("lease_ttl_s", _ttl),
     "log_level": ("log_level", _level),
     "admin_token_file": ("admin_token_file", _path),
     "metrics_address": ("metrics_address", _metrics_address),
 }
-RELOADABLE = ("lease_ttl_s", "log_level", "session_pin_share", "session_reserve_share",
-              "peer_pin_share", "peer_reserve_share", "peer_max_namespaces")
+RELOADABLE = ("lease_ttl_s", "log_level", "session_pin_share", "session_reserve_share", "peer_pin_share",
+              "peer_reserve_share", "peer_max_namespaces")
 
 
 def _group(key: str, value: Any) -> str:
@@ -276,18 +274,6 @@ def _text(key: str, value: Any) -> str:
     if not isinstance(value, str):
         raise ConfigError(f"{key}: must be a string, not {value!r}")
     return value
-
-
-def _count(low: int, high: int) -> Any:
-    def parse(key: str, value: Any) -> int:
-        try:
-            n = int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: must be an integer, not {value!r}") from None
-        if isinstance(value, (bool, float)) or not low <= n <= high:
-            raise ConfigError(f"{key}: must be an integer from {low} to {high}, not {value!r}")
-        return n
-    return parse
 
 
 def _size_or_zero(key: str, value: Any) -> int:
