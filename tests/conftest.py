@@ -36,6 +36,14 @@ QUOTAS_OFF = ("--session-pin-share", "1", "--session-reserve-share", "1",
               "--peer-pin-share", "1", "--peer-reserve-share", "1")
 
 
+def quotas_lifted(daemon_factory):
+    """``daemon_factory`` with ``QUOTAS_OFF``: a conftest's override for engines of one uid
+    whose one engine may use its whole region (the vLLM adapters' tests)."""
+    def make(*, extra: tuple[str, ...] = (), **kw):
+        return daemon_factory(extra=(*QUOTAS_OFF, *extra), **kw)
+    return make
+
+
 def _shm_base() -> str:
     # /dev/shm is what production uses; fall back where a sandbox lacks it.
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
