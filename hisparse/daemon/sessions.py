@@ -152,14 +152,16 @@ class SessionTable:
         while sid in self.sessions or sid == 0:
             sid = secrets.randbits(62)
         fence = None
+        owner = owner if owner is not None else Peer(None, None, None, peer)
         if namespace is not None:
             if fence_dir is None:
                 raise InvalidArgument("a namespace session needs a fence directory")
             fence = FenceFile.create(fence_dir, f"{secrets.token_hex(16)}{FENCE_SUFFIX}",
                                      namespace=namespace.name, region_id=namespace.region_id,
-                                     num_pages=namespace.geometry.num_pages, handle=handle_of(sid))
+                                     num_pages=namespace.geometry.num_pages, handle=handle_of(sid),
+                                     owner_uid=owner.uid)
         session = Session(sid, namespace, client, peer, fence, now, now)
-        session.owner = owner if owner is not None else Peer(None, None, None, peer)
+        session.owner = owner
         self.sessions[sid] = session
         self._owned.setdefault(session.owner.key, {})[sid] = session
         return session
@@ -326,10 +328,13 @@ class SessionTable:
             pages, reserved, pins = fence.held_pages()
             fenced, pinned = ns.index.adopt_fence(pages.tolist(), reserved.tolist(), pins.tolist())
             fence.set_state(LOST)
+            uid = fence.header.owner_uid  # recorded at its hello: foreign holders stay harmless
             zombie = Zombie(fence.header.handle, ns, "(from an earlier daemon run)", fence,
                             "daemon restart", self._clock(), fence.header.created_unix_s,
-                            fenced, pinned)
-            self.zombies[fence.name] = zombie
+                            fenced, pinned, Peer(uid, None, None) if uid is not None else None)
+            self._add_zombie(zombie)
+            if zombie.owner is not None:
+                self.note_pins(zombie.owner.key, ns.name, list(pinned), [])
             adopted += 1
             log.info("fenced %d pages and %d pins of %s until its process lets go",
                      len(fenced), sum(pinned.values()), zombie.describe())

@@ -98,3 +98,30 @@ def test_another_users_lock_on_a_dead_sessions_fence_holds_no_page(tenant_daemon
     finally:
         owner.close()
         observer.close()
+
+
+@needs_root
+def test_after_a_restart_another_users_lock_on_an_old_fence_holds_no_page(tenant_daemon):
+    d = tenant_daemon()
+    owner = RawClient(d.socket)
+    try:
+        owner.hello("ns", LAYOUT, 192 * 8, fence=False)
+        keys = keys_for("old", 2)
+        with holding_as_user(ATTACKER_UID, lambda: _lock(owner.fence_path, fcntl.LOCK_SH)) as held:
+            assert held == {"ok": "locked"}, held
+            owner.fence_fd = os.open(owner.fence_path, os.O_RDONLY | os.O_CLOEXEC)
+            fcntl.flock(owner.fence_fd, fcntl.LOCK_SH)
+            assert owner.store(keys, [b"o" * 192, b"p" * 192]) == 2
+            owner.call(Op.PIN, keys=keys)
+            d.restart(kill=True)  # the successor adopts the fence, and whose it was (its header says)
+            observer = RawClient(d.socket)
+            try:
+                observer.hello()
+                assert observer.call(Op.STATS)["namespaces"]["ns"]["pinned_pages"] == 2, "still fenced"
+                owner.release_fence()  # the session's own process lets go; the attacker does not
+                wait_for(lambda: observer.call(Op.STATS)["namespaces"]["ns"]["pinned_pages"] == 0,
+                         "the old session's pins to be dropped despite the foreign lock", timeout_s=15)
+            finally:
+                observer.close()
+    finally:
+        owner.close()

@@ -227,7 +227,7 @@ def _resolve_all(session, kv, req) -> int:
 
 
 def test_the_sparse_session_repins_after_a_daemon_restart(daemon_factory):
-    d = daemon_factory(lease_ttl=5)
+    d = daemon_factory(lease_ttl=5, extra=QUOTAS_OFF)  # "another engine" is this uid too
     c, kv, session, req = _sparse_engine(d.socket)
     try:
         old_pages = list(req.host_pages)
