@@ -13,10 +13,12 @@ baseline measured in the same run:
 - creation: another namespace of ``--big-namespace`` is created (its region
   allocated) meanwhile;
 - SIGTERM under the flood: seconds until the daemon has exited;
-- then (``--bounds`` alone) issue 20's attacks on the daemon's bounds, each
+- then (``--bounds`` alone) the attacks on the daemon's bounds, each
   on a fresh daemon (``bounds_peer.py``): decode bombs, a hello flood,
   ``--connections`` connections sending 16 MiB and 4 MiB frames; for each,
   ping p50/p99 and peak RSS vs the same daemon idle, and SIGTERM time.
+- then tenants against each other (``hostile_tenants.py``: fence locks, quota
+  bypass, namespace squatting, metrics, silent zero), alone with ``--tenants-only``.
 
 Memory is the daemon's peak resident set (``VmHWM``), so nothing between
 samples is missed.
@@ -201,11 +203,15 @@ def main() -> int:
     p.add_argument("--flooders", type=int, default=3)
     p.add_argument("--big-namespace", default="2GiB")
     p.add_argument("--oversized", default="512MiB")
-    p.add_argument("--bounds", action="store_true", help="only the attacks of issue 20 items 1-3")
+    p.add_argument("--bounds", action="store_true", help="only the attacks on the daemon's bounds")
     p.add_argument("--connections", default="48,96", help="connection counts of the large-frame attack")
+    p.add_argument("--tenants-only", action="store_true", help="only the tenant attacks (4-8)")
     args = p.parse_args()
-    if args.bounds:
-        bounds_main(args.seconds, [int(n) for n in args.connections.split(",")])
+    if args.bounds or args.tenants_only:
+        if args.bounds:
+            bounds_main(args.seconds, [int(n) for n in args.connections.split(",")])
+        if args.tenants_only:
+            run_tenant_attacks(args.seconds)
         return 0
     big = parse_size(args.big_namespace)
     with start_daemon(str(big + (512 << 20)), extra=("--log-level", "WARNING")) as d:
@@ -247,7 +253,17 @@ def main() -> int:
             print(f"SIGTERM under the flood: exited {d.proc.returncode} in {time.monotonic() - t0:.2f}s")
     print()
     bounds_main(args.seconds, [int(n) for n in args.connections.split(",")])
+    run_tenant_attacks(args.seconds)
     return 0
+
+
+def run_tenant_attacks(seconds: float) -> None:
+    """Attacks 4-8 (tenants against each other): benchmarks/hostile_tenants.py."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from hostile_tenants import run
+
+    print()
+    run(seconds)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ class CapacityError(HisparseError):
 
 
 class QuotaExceeded(CapacityError):
-    """A per-session limit of the daemon (pinned or reserved pages) would be passed; the
-    message names the limit (``session_pin_share`` / ``session_reserve_share``)."""
+    """A per-session or per-peer limit of the daemon (pinned or reserved pages, namespaces
+    created) would be passed; the message names the limit (``session_pin_share``,
+    ``peer_reserve_share``, ``peer_max_namespaces``, ...)."""
 
 
 class InvalidArgument(HisparseError):

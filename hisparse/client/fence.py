@@ -38,16 +38,41 @@ import logging
 import mmap
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from hisparse.errors import InvalidArgument, LeaseExpired
+from hisparse.errors import InvalidArgument, LeaseExpired, Timeout
 from hisparse.shm.fence import HEADER_BYTES, LIVE, RELEASED, STATE_NAMES, read_header, read_state
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Fence", "close_locked", "hold", "open_locked"]
+__all__ = ["Fence", "FenceBusy", "close_locked", "hold", "open_locked"]
+
+# The daemon's probe holds LOCK_EX for microseconds; a holder for longer is not the
+# daemon (docs/governance.md: a foreign process that learnt the file's name).
+LOCK_WAIT_S = 2.0
+
+
+class FenceBusy(Timeout):
+    """Another process held the fence exclusively for over ``LOCK_WAIT_S``: never wait on it."""
+
+
+def _lock_shared(fd: int, path: str) -> None:
+    deadline = time.monotonic() + LOCK_WAIT_S
+    pause_s = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise FenceBusy(f"fence {os.path.basename(path)} was held exclusively by another "
+                                f"process for over {LOCK_WAIT_S} s (the daemon's own probe takes "
+                                "microseconds); not waiting on it") from None
+            time.sleep(pause_s)
+            pause_s = min(0.02, pause_s * 2)
 
 
 def open_locked(path: str) -> tuple[int, mmap.mmap]:
@@ -64,8 +89,7 @@ def open_locked(path: str) -> tuple[int, mmap.mmap]:
                               "must be able to read the daemon's fences/ directory") from None
     try:
         read_header(fd, path)  # a planted or foreign file is refused here
-        # Blocking: the daemon's probe holds LOCK_EX for microseconds at most.
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        _lock_shared(fd, path)  # never blocks past LOCK_WAIT_S, whoever holds LOCK_EX
         mm = mmap.mmap(fd, HEADER_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
         if read_state(mm) == RELEASED:  # locked after the daemon freed its pages: hold nothing
             mm.close()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from hisparse.client.calls import Owed
-from hisparse.client.fence import Fence
+from hisparse.client.fence import Fence, FenceBusy
 from hisparse.client.regions import acquire_region, release_region
 from hisparse.client.transport import Transport
 from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired, ProtocolError
@@ -30,6 +30,7 @@ from hisparse.shm.region import RegionMap
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
+HELLO_TRIES = 3  # a hello whose fence another process locked first is given up for a new one
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,6 +83,14 @@ class Sessions:
         self._heartbeat.start()
 
     def _hello(self) -> ClientSession:
+        for _ in range(HELLO_TRIES - 1):
+            try:
+                return self._hello_once()
+            except FenceBusy as exc:  # someone locked our fence first: take another session
+                log.warning("hisparse: %s; attaching again with a new session", exc)
+        return self._hello_once()
+
+    def _hello_once(self) -> ClientSession:
         body = self.transport.call(Op.HELLO, self.timeout_s, namespace=self.namespace,
                                    layout=self.layout, capacity_bytes=self._capacity_bytes,
                                    client=self._name,
@@ -91,13 +100,23 @@ class Sessions:
         name = body.get("fence")
         if not isinstance(name, str) or "/" in name or not name:
             raise ProtocolError(f"hello reply names no fence file: {name!r}")
-        fence = Fence(os.path.join(fence_dir_for(self.socket_path), name))
+        try:
+            fence = Fence(os.path.join(fence_dir_for(self.socket_path), name))
+        except FenceBusy:
+            self._bye_quietly(int(body["session"]))
+            raise
         try:
             region, key = acquire_region(body.get("region"), self.layout, populate=self._populate)
         except BaseException:
             fence.retire()
             raise
         return ClientSession(int(body["session"]), region, key, float(body["lease_ttl_s"]), fence)
+
+    def _bye_quietly(self, session_id: int) -> None:
+        try:
+            self.transport.call(Op.BYE, min(self.timeout_s, 1.0), session=session_id)
+        except HisparseError as exc:
+            log.debug("bye failed (%s); the lease expires instead", exc)
 
     def rehello(self, lost: ClientSession) -> ClientSession:
         """Replace ``lost`` by a new session (once, however many threads saw it lost)."""

@@ -79,11 +79,12 @@ class Config:
     default_namespace_capacity_bytes: int = 1 << 30
     min_page_bytes: int = 64  # a layout with smaller pages is refused (hello: INVALID_ARGUMENT)
     max_namespaces: int = 64
-    # Per session, as a share of its namespace's pages: a refusal is QUOTA_EXCEEDED.
-    # Embedded default 1 (a single tenant may use its whole region, as before);
-    # the shared-node config (systemd/hisparsed.toml) sets 0.5.
-    session_pin_share: float = 1.0
-    session_reserve_share: float = 1.0
+    # Shares of a namespace's pages (quotas.py), per session and per peer (a uid; None: the session's).
+    session_pin_share: float = 0.5
+    session_reserve_share: float = 0.5
+    peer_pin_share: float | None = None
+    peer_reserve_share: float | None = None
+    peer_max_namespaces: int = 8  # namespaces one peer may create that the config does not name
     namespaces: dict[str, NamespaceConfig] = field(default_factory=dict)
     # What the daemon admits (hisparse.daemon.limits; a refusal is QUOTA_EXCEEDED naming the key).
     # A peer is a uid, as the kernel reports the connecting process.
@@ -133,8 +134,9 @@ class Config:
                 f"capacity={format_size(self.capacity_bytes)} "
                 f"default_namespace_capacity={format_size(self.default_namespace_capacity_bytes)} "
                 f"min_page_bytes={self.min_page_bytes} max_namespaces={self.max_namespaces} "
-                f"session_pin_share={self.session_pin_share} "
-                f"session_reserve_share={self.session_reserve_share} "
+                f"shares (session/peer): pin={self.session_pin_share}/{self.peer_pin_share or self.session_pin_share} "
+                f"reserve={self.session_reserve_share}/{self.peer_reserve_share or self.session_reserve_share} "
+                f"peer_max_namespaces={self.peer_max_namespaces} "
                 f"max_sessions={self.max_sessions}/{self.max_sessions_per_uid} per uid/"
                 f"{self.max_sessions_per_connection} per connection "
                 f"max_connections={self.max_connections}/{self.max_connections_per_uid} per uid "
@@ -175,14 +177,16 @@ def _ttl(key: str, value: Any) -> float:
     return ttl
 
 
-def _count(key: str, value: Any) -> int:
-    try:
-        number = int(value) if not isinstance(value, (bool, float)) else None
-    except (TypeError, ValueError):
-        number = None
-    if number is None or not 1 <= number <= 1 << 20:
-        raise ConfigError(f"{key}: must be a whole number from 1 to {1 << 20}, not {value!r}")
-    return number
+def _count(low: int, high: int) -> Any:
+    def parse(key: str, value: Any) -> int:
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: must be an integer, not {value!r}") from None
+        if isinstance(value, (bool, float)) or not low <= n <= high:
+            raise ConfigError(f"{key}: must be an integer from {low} to {high}, not {value!r}")
+        return n
+    return parse
 
 
 def _share(key: str, value: Any) -> float:
@@ -227,18 +231,23 @@ _KEYS: dict[str, tuple[str, Any]] = {
     "capacity": ("capacity_bytes", _size),
     "default_namespace_capacity": ("default_namespace_capacity_bytes", _size),
     "min_page_bytes": ("min_page_bytes", _size),
-    "max_namespaces": ("max_namespaces", _count),
+    "max_namespaces": ("max_namespaces", _count(1, 1 << 20)),
     "session_pin_share": ("session_pin_share", _share),
     "session_reserve_share": ("session_reserve_share", _share),
-    **{key: (key, _count) for key in ("max_sessions", "max_sessions_per_connection", "max_sessions_per_uid",
-                                      "max_connections", "max_connections_per_uid", "fd_headroom")},
+    "peer_pin_share": ("peer_pin_share", _share),
+    "peer_reserve_share": ("peer_reserve_share", _share),
+    "peer_max_namespaces": ("peer_max_namespaces", _count(1, 1 << 20)),
+    **{key: (key, _count(0 if key == "fd_headroom" else 1, 1 << 30))
+       for key in ("max_sessions", "max_sessions_per_connection", "max_sessions_per_uid",
+                   "max_connections", "max_connections_per_uid", "fd_headroom")},
     "max_request_bytes_in_flight": ("max_request_bytes_in_flight", _size),
     "lease_ttl": ("lease_ttl_s", _ttl),
     "log_level": ("log_level", _level),
     "admin_token_file": ("admin_token_file", _path),
     "metrics_address": ("metrics_address", _metrics_address),
 }
-RELOADABLE = ("lease_ttl_s", "log_level", "session_pin_share", "session_reserve_share")
+RELOADABLE = ("lease_ttl_s", "log_level", "session_pin_share", "session_reserve_share", "peer_pin_share",
+              "peer_reserve_share", "peer_max_namespaces")
 
 
 def _group(key: str, value: Any) -> str:
@@ -284,18 +293,6 @@ def _text(key: str, value: Any) -> str:
     if not isinstance(value, str):
         raise ConfigError(f"{key}: must be a string, not {value!r}")
     return value
-
-
-def _count(low: int, high: int) -> Any:
-    def parse(key: str, value: Any) -> int:
-        try:
-            n = int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: must be an integer, not {value!r}") from None
-        if isinstance(value, (bool, float)) or not low <= n <= high:
-            raise ConfigError(f"{key}: must be an integer from {low} to {high}, not {value!r}")
-        return n
-    return parse
 
 
 def _size_or_zero(key: str, value: Any) -> int:

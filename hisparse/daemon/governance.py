@@ -1,12 +1,5 @@
-"""What one session, one tenant or one operator may take: quotas and the namespace lifecycle.
+"""What an operator may take back: the namespace lifecycle (quotas: ``quotas.py``).
 
-- **Quotas** (per session, a share of its namespace's pages): at most
-  ``session_reserve_share`` of the pages reserved at once, at most
-  ``session_pin_share`` pinned. A reserve beyond the share is cut short
-  (as when the region is full); one when the share is already used, and a
-  pin that would pass it, are refused with ``QUOTA_EXCEEDED`` naming the
-  limit. So one client can neither pin everything (every other ``store``
-  would write nothing) nor hoard reservations while it heartbeats.
 - **drop** (admin): remove a namespace, its table and region; what it cost
   goes back to ``--capacity`` at once. Sessions attached to it are ended
   only with ``force`` (their next call is ``UNKNOWN_SESSION``; a client
@@ -27,37 +20,6 @@ if TYPE_CHECKING:
     from hisparse.daemon.sessions import Session
 
 log = logging.getLogger(__name__)
-
-
-def _limit_pages(share: float, num_pages: int) -> int:
-    return max(1, int(share * num_pages))
-
-
-def reserve_room(ctx: DaemonContext, session: Session) -> int:
-    """New pages ``session`` may still reserve; ``QUOTA_EXCEEDED`` when none."""
-    assert session.namespace is not None
-    share = ctx.config.session_reserve_share
-    limit = _limit_pages(share, session.namespace.geometry.num_pages)
-    room = limit - len(session.reservations)
-    if room <= 0:
-        raise WireError(ErrorCode.QUOTA_EXCEEDED,
-                        f"reserve: this session holds {len(session.reservations)} reservations, its "
-                        f"limit (session_reserve_share {share} of {session.namespace.geometry.num_pages} "
-                        "pages); commit or abort some first")
-    return room
-
-
-def check_pin_quota(ctx: DaemonContext, session: Session, pages: list[int]) -> None:
-    """Refuse (nothing pinned) a pin that would take ``session`` past ``session_pin_share``."""
-    assert session.namespace is not None
-    share = ctx.config.session_pin_share
-    num_pages = session.namespace.geometry.num_pages
-    limit = _limit_pages(share, num_pages)
-    after = len(session.pins) + len(set(pages) - session.pins.keys())
-    if after > limit:
-        raise WireError(ErrorCode.QUOTA_EXCEEDED,
-                        f"pin: {after} pinned pages would pass this session's limit of {limit} "
-                        f"(session_pin_share {share} of {num_pages} pages); unpin some first")
 
 
 def handle_drop(ctx: DaemonContext, session: Session, req: AdminRequest) -> dict[str, Any]:

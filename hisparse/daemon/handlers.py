@@ -22,12 +22,14 @@ from typing import Any
 import hisparse
 from hisparse.daemon.access import AccessControl
 from hisparse.daemon.config import Config
-from hisparse.daemon.governance import check_pin_quota, handle_drop, reserve_room
+from hisparse.daemon.governance import handle_drop
+from hisparse.daemon.peers import Peer, from_address
+from hisparse.daemon.quotas import check_pin_quota, reserve_room, shortfall
 from hisparse.daemon.namespaces import Namespace, Registry
 from hisparse.daemon.opstats import OpStats
 from hisparse.daemon.sessions import PinHold, Session, SessionTable, Zombie
-from hisparse.daemon.sessionrows import session_rows
-from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch
+from hisparse.daemon.stats import handle_stats
+from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch, QuotaExceeded
 from hisparse.shm.fence import FENCE_DIR_MODE, fence_dir_for
 from hisparse.protocol import (
     VERSION,
@@ -59,6 +61,7 @@ class DaemonContext:
     admin_token: str
     fence_dir: str = ""  # fences/ beside the socket (hisparse.shm.fence); "": derived and created
     peer: bytes = b""  # ZeroMQ routing id of the request being handled
+    peer_address: str | None = None  # its connection's Peer-Address while it is handled: the kernel's credentials (peers.py)
     started_s: float = field(default_factory=time.monotonic)
     request_shutdown: Callable[[str], None] = lambda reason: None
     evictions_since_log: dict[str, int] = field(default_factory=dict)
@@ -100,6 +103,8 @@ class Deferred:
 def _attach_errors(exc: BaseException) -> WireError | None:
     if isinstance(exc, LayoutMismatch):
         return WireError(ErrorCode.LAYOUT_MISMATCH, str(exc))
+    if isinstance(exc, QuotaExceeded):
+        return WireError(ErrorCode.QUOTA_EXCEEDED, str(exc))
     if isinstance(exc, CapacityError):
         return WireError(ErrorCode.CAPACITY, str(exc))
     if isinstance(exc, InvalidArgument):
@@ -109,9 +114,15 @@ def _attach_errors(exc: BaseException) -> WireError | None:
     return None
 
 
+def peer_of(ctx: DaemonContext) -> Peer:
+    """Who sent the request being handled (uid, gid, pid from SO_PEERCRED when the kernel says)."""
+    return from_address(ctx.peer_address, ctx.peer)
+
+
 def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, Any] | Deferred:
+    owner = peer_of(ctx)
     if req.namespace is None:
-        body = _open_session(ctx, None, req, [], ctx.peer)
+        body = _open_session(ctx, None, req, [], owner)
         if req.token is not None and hmac.compare_digest(req.token.encode(), ctx.admin_token.encode()):
             ctx.privileged.add(body["session"])
         return body
@@ -119,19 +130,20 @@ def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, An
     if ctx.access is not None:
         ctx.access.check(req.namespace, req.access_key)
     warnings: list[str] = []
-    peer = ctx.peer  # the connection the session is bound to, also when answered later
     try:
-        got = ctx.registry.attach(req.namespace, req.layout, req.capacity_bytes, warnings)
+        got = ctx.registry.attach(req.namespace, req.layout, req.capacity_bytes, warnings,
+                                  creator=owner, client=req.client)
     except (LayoutMismatch, CapacityError, InvalidArgument) as exc:
         raise _attach_errors(exc) from None  # type: ignore[misc]
     if not isinstance(got, Namespace):  # its region is being allocated off the loop
-        return Deferred(got, lambda ns: _open_session(ctx, ns, req, warnings, peer), _attach_errors)
-    return _open_session(ctx, got, req, warnings, peer)
+        return Deferred(got, lambda ns: _open_session(ctx, ns, req, warnings, owner), _attach_errors)
+    return _open_session(ctx, got, req, warnings, owner)
 
 
 def _open_session(ctx: DaemonContext, ns: Namespace | None, req: HelloRequest,
-                  warnings: list[str], peer: bytes) -> dict[str, Any]:
-    session = ctx.sessions.open(ns, req.client, peer, ctx.fence_dir)
+                  warnings: list[str], owner: Peer) -> dict[str, Any]:
+    # bound to the connection that said hello (owner.connection), also when answered later
+    session = ctx.sessions.open(ns, req.client, owner.connection, ctx.fence_dir, owner)
     if ns is not None:
         log.info("attach: %s", session.describe())
     else:
@@ -199,15 +211,18 @@ def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> di
     ns = _ns(session)
     _require_fence(session, "reserve")
     _refuse_given_back(session, req)
-    slots, evicted = ns.index.reserve(req.keys, session.reservations, reserve_room(ctx, session))
+    room, limit = reserve_room(ctx, session)
+    slots, evicted = ns.index.reserve(req.keys, session.reservations, room)
     # The hold is on record before the reply grants it: a successor daemon fences it.
-    session.fence.add_reserved([s for s in slots if s >= 0])  # type: ignore[union-attr]
+    new = [s for s in slots if s >= 0]
+    session.fence.add_reserved(new)  # type: ignore[union-attr]
     session.tags.reserved(req.tag, [key for key, s in zip(req.keys, slots) if s >= 0])
     if evicted:
         ctx.evictions_since_log[ns.name] = ctx.evictions_since_log.get(ns.name, 0) + len(evicted)
     if ctx.cluster is not None:
         ctx.cluster.reserved(ns)
-    return {"slots": slots, "evicted": evicted}
+    return {"slots": slots, "evicted": evicted,
+            "shortfall": shortfall(ctx, session, len(req.keys), len(slots), len(new), room, limit)}
 
 
 def _refuse_given_back(session: Session, req: KeysRequest) -> None:
@@ -286,20 +301,24 @@ def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[s
     session.fence.add_pins(pages)  # type: ignore[union-attr]
     session.tags.pinned(req.tag, pages)
     pins = session.pins
+    added = []
     for key, page in zip(req.keys, pages):
         held = pins.get(page)
         if held is None:
             pins[page] = PinHold(key, 1)
+            added.append(page)
         else:
             held.count += 1
+    ctx.sessions.note_pins(session.owner.key, ns.name, added, [])
     return {"count": len(pages), "pages": pages}
 
 
 def handle_unpin(ctx: DaemonContext, session: Session, req: PagesRequest) -> dict[str, Any]:
-    index = _ns(session).index
+    ns = _ns(session)
+    index = ns.index
     if req.whole_call:
         assert req.tag is not None
-        return {"unpinned": _unpin_call(session, index, req.tag)}
+        return {"unpinned": _unpin_call(ctx, session, index, req.tag)}
     need: dict[int, int] = {}
     for i, page in enumerate(req.pages):
         need[page] = need.get(page, 0) + 1
@@ -308,21 +327,24 @@ def handle_unpin(ctx: DaemonContext, session: Session, req: PagesRequest) -> dic
             raise WireError(ErrorCode.NOT_HELD,
                             f"unpin: pages[{i}] = {page} is not pinned by this session "
                             "(that many times); nothing changed")
+    gone = []
     for page in req.pages:
         held = session.pins[page]
         index.unpin(page)
         held.count -= 1
         if held.count == 0:
             del session.pins[page]
+            gone.append(page)
+    ctx.sessions.note_pins(session.owner.key, ns.name, [], gone)
     session.fence.remove_pins(list(req.pages))  # type: ignore[union-attr]
     if req.tag is not None:
         session.tags.unpinned(req.tag, req.pages)
     return {"unpinned": len(req.pages)}
 
 
-def _unpin_call(session: Session, index: Any, tag: int) -> int:
+def _unpin_call(ctx: DaemonContext, session: Session, index: Any, tag: int) -> int:
     """Release the pins a call took and never unpinned (its reply was lost): each still held."""
-    pages = []
+    pages, gone = [], []
     for page in session.tags.take_pins(tag):
         held = session.pins.get(page)
         if held is None:
@@ -331,7 +353,9 @@ def _unpin_call(session: Session, index: Any, tag: int) -> int:
         held.count -= 1
         if held.count == 0:
             del session.pins[page]
+            gone.append(page)
         pages.append(page)
+    ctx.sessions.note_pins(session.owner.key, _ns(session).name, [], gone)
     session.fence.remove_pins(pages)  # type: ignore[union-attr]
     return len(pages)
 
@@ -349,6 +373,8 @@ def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) ->
     held = _held(session, req.keys, "publish")
     if len(set(req.as_keys)) != len(req.as_keys):
         raise WireError(ErrorCode.INVALID_ARGUMENT, "publish: an as_key is listed twice (nothing changed)")
+    if req.pin:
+        check_pin_quota(ctx, session, held, reserved_now=True)  # a pin (nothing changed if refused)
     pages: list[int] = []
     done: list[tuple[bytes, int]] = []
     for key, new_key, page in zip(req.keys, req.as_keys, held):
@@ -367,6 +393,7 @@ def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) ->
             hold = session.pins.get(page)
             if hold is None:
                 session.pins[page] = PinHold(new_key, 1)
+                ctx.sessions.note_pins(session.owner.key, ns.name, [page], [])
             else:
                 hold.count += 1
         session.fence.clear_reserved([page])  # type: ignore[union-attr]
@@ -388,44 +415,6 @@ def handle_bye(ctx: DaemonContext, session: Session, req: Request) -> dict[str, 
                  session.describe(), reserved, pinned,
                  "; fenced until its process lets go" if zombie else "")
     return {}
-
-
-def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str, Any]:
-    namespaces = {}
-    ctx.privileged &= ctx.sessions.sessions.keys()
-    # session None: the metrics endpoint, an operator's view (its unix socket is 0600)
-    sees_all = session is None or session.id in ctx.privileged or ctx.access is None
-    for name, ns in ctx.registry.namespaces.items():
-        if not sees_all and ctx.access.restricted(name) and session.namespace is not ns:  # type: ignore[union-attr]
-            continue  # a group's namespace: shown to its own sessions and to the admin
-        snap: dict[str, Any] = dict(ns.index.snapshot())
-        snap.update(page_bytes=ns.layout.page_bytes, size_bytes=ns.geometry.size_bytes,
-                    committed_bytes=snap["committed_pages"] * ns.layout.page_bytes,
-                    sessions=ctx.sessions.count_for(ns),
-                    layout=ns.layout.to_wire())
-        namespaces[name] = snap
-    daemon: dict[str, Any] = {
-        "version": hisparse.__version__, "pid": os.getpid(),
-        "uptime_s": time.monotonic() - ctx.started_s,
-        # Engines' sessions (those `hisparsectl sessions` lists); hisparsectl's own, and any
-        # other session without a namespace, apart.
-        "sessions": sum(1 for s in ctx.sessions.sessions.values() if s.namespace is not None),
-        "control_sessions": sum(1 for s in ctx.sessions.sessions.values() if s.namespace is None),
-        "sessions_expired": ctx.sessions.expired_total,
-        "lease_ttl_s": ctx.sessions.lease_ttl_s,
-        "metrics_address": ctx.config.metrics_endpoint,
-        "requests": ctx.requests_total, "errors": ctx.errors_total,
-        "evicted_pages": sum(ns.index.counters.evicted_pages for ns in ctx.registry.namespaces.values()),
-        "fenced_sessions": len(ctx.sessions.zombies),
-        "fenced_sessions_released": ctx.sessions.zombies_released_total,
-    }
-    daemon.update(ctx.registry.stats())
-    daemon.update(ctx.transport_stats())
-    daemon["cluster"] = ctx.cluster.stats() if ctx.cluster is not None else {"backend": "none"}
-    body: dict[str, Any] = {"daemon": daemon, "namespaces": namespaces}
-    if session is not None and session.namespace is None:  # hisparsectl: who holds what, stalled ones included
-        body["sessions"] = [row for row in session_rows(ctx) if row["namespace"] in namespaces]
-    return body
 
 
 def handle_events(ctx: DaemonContext, session: Session, req: EventsRequest) -> dict[str, Any]:

@@ -98,6 +98,7 @@ class Peer:
     fd: int | None = None  # its socket in this process (libzmq's), to shed it
     sessions: set[int] = field(default_factory=set)
     large_until_s: float = 0.0  # it counts as a large sender until then
+    address: str | None = None  # libzmq's Peer-Address, "<host>:<uid>:<gid>:<pid>" (peers.py)
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ class Limits:
         known = self.peers.get(identity)
         if known is None:
             uid, pid = parse_peer_address(peer_address)
-            known = self.peers[identity] = Peer(uid, pid, fd)
+            known = self.peers[identity] = Peer(uid, pid, fd, address=peer_address)
         return known
 
     # -- request bytes in flight --

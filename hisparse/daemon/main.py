@@ -57,9 +57,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-page-bytes", metavar="SIZE", help="refuse layouts with smaller pages (default 64)")
     p.add_argument("--max-namespaces", metavar="N", help="most namespaces at once (default 64)")
     p.add_argument("--session-pin-share", metavar="SHARE",
-                   help="most of a namespace's pages one session may pin (default 1)")
+                   help="most of a namespace's pages one session may pin (default 0.5)")
     p.add_argument("--session-reserve-share", metavar="SHARE",
-                   help="most of a namespace's pages one session may hold reserved (default 1)")
+                   help="most of a namespace's pages one session may hold reserved (default 0.5)")
+    p.add_argument("--peer-pin-share", metavar="SHARE", help="most of a namespace's pages every "
+                   "session of one uid together may pin (default: the session share)")
+    p.add_argument("--peer-reserve-share", metavar="SHARE", help="most of a namespace's pages every "
+                   "session of one uid together may hold reserved (default: the session share)")
+    p.add_argument("--peer-max-namespaces", metavar="N",
+                   help="namespaces one uid may create that the config does not name (default 8)")
     p.add_argument("--lease-ttl", metavar="SECONDS", help="silence after which a session expires")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument("--admin-token-file", metavar="PATH", help="default: hisparsed.token beside the socket")
@@ -220,6 +226,7 @@ def run(cfg: config_mod.Config) -> int:
     fence_dir = fence_dir_for(cfg.socket)
     os.makedirs(fence_dir, mode=FENCE_DIR_MODE, exist_ok=True)
     trust.private_dir(fence_dir, "fence directory (fences/ beside the socket)", create=False)
+    os.chmod(fence_dir, FENCE_DIR_MODE)  # an earlier run's 0750 let the group list the names
     sessions = SessionTable(cfg.lease_ttl_s)
     ctx = DaemonContext(cfg, registry, sessions, admin_token="", fence_dir=fence_dir, access=access)
     # Sessions of the earlier run are gone, but their processes may still be
@@ -280,6 +287,8 @@ def _main(argv: list[str] | None) -> int:
              "admin_token_file": args.admin_token_file, "min_page_bytes": args.min_page_bytes,
              "max_namespaces": args.max_namespaces, "session_pin_share": args.session_pin_share,
              "session_reserve_share": args.session_reserve_share,
+             "peer_pin_share": args.peer_pin_share, "peer_reserve_share": args.peer_reserve_share,
+             "peer_max_namespaces": args.peer_max_namespaces,
              "metrics_address": args.metrics_address}
     try:
         cfg = config_mod.build(args.config, flags=flags, fresh=args.fresh)

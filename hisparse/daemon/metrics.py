@@ -1,8 +1,10 @@
 """The Prometheus endpoint: what the daemon knows, in ``prometheus_client``'s text format.
 
 Served on ``metrics_address`` (a unix socket path, mode 0600, or
-``HOST:PORT``) by a small HTTP responder on the daemon's own event loop. It
-is an operator's view: every namespace shows, group-restricted ones too. A scrape costs the loop
+``HOST:PORT``) by a small HTTP responder on the daemon's own event loop. A
+scraper sees what ``stats`` would show it: group-restricted namespaces only
+when the kernel says it is the daemon's user or root (``SO_PEERCRED`` on the
+unix socket); over TCP nobody is known, so only open namespaces show. A scrape costs the loop
 one snapshot (the ``stats`` reply's numbers plus a copy of ``OpStats``: no
 per-page work); the exposition text is rendered in a worker thread from that
 frozen copy, so neither rendering nor a slow scraper holds up a request.
@@ -20,6 +22,7 @@ import asyncio
 import logging
 import os
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,13 +63,17 @@ def session_state(last_seen_s: float, now_s: float, lease_ttl_s: float) -> str:
     return "active" if now_s - last_seen_s <= lease_ttl_s / 2 else "silent"
 
 
-def take_snapshot(ctx: DaemonContext) -> Snapshot:
+def take_snapshot(ctx: DaemonContext, sees_all: bool = True) -> Snapshot:
     """On the event loop: O(namespaces + sessions), no per-page work.
 
     Session states: ``active`` and ``silent`` are live sessions; ``fenced`` are
     ended ones whose pages stay fenced until their process lets go.
+    ``sees_all`` False: group-restricted namespaces are left out, as ``stats``
+    leaves them out for a session that is neither theirs nor the admin's.
     """
     stats = handle_stats(ctx, None, None)  # no session: no per-session rows (they read /proc/locks)
+    if not sees_all and ctx.access is not None:
+        stats["namespaces"] = {n: v for n, v in stats["namespaces"].items() if not ctx.access.restricted(n)}
     now_s = ctx.sessions.now()
     ttl_s = ctx.sessions.lease_ttl_s
     sessions: dict[tuple[str, str], int] = {}
@@ -74,11 +81,13 @@ def take_snapshot(ctx: DaemonContext) -> Snapshot:
         for state in SESSION_STATES:
             sessions[(name, state)] = 0
     for s in ctx.sessions.sessions.values():
-        if s.namespace is None:
+        if s.namespace is None or s.namespace.name not in stats["namespaces"]:
             continue
         key = (s.namespace.name, session_state(s.last_seen_s, now_s, ttl_s))
         sessions[key] = sessions.get(key, 0) + 1
     for z in ctx.sessions.zombies.values():
+        if z.namespace.name not in stats["namespaces"]:
+            continue
         key = (z.namespace.name, "fenced")
         sessions[key] = sessions.get(key, 0) + 1
     return Snapshot(stats, sessions, ctx.opstats.copy())
@@ -217,7 +226,7 @@ class MetricsServer:
         if isinstance(target, str):
             _claim_unix_path(target)
             self._server = await asyncio.start_unix_server(self._serve_one, target)
-            # every namespace shows, group-restricted ones too: the daemon's user (and root) only
+            # only the daemon's user and root may connect; _sees_all checks the scraper anyway
             os.chmod(target, 0o600)
         else:
             self._server = await asyncio.start_server(self._serve_one, target[0], target[1])
@@ -244,7 +253,7 @@ class MetricsServer:
             elif path not in (b"/metrics", b"/"):
                 await _respond(writer, 404, b"text/plain", b"GET /metrics\n")
             else:
-                snap = take_snapshot(self.ctx)
+                snap = take_snapshot(self.ctx, _sees_all(writer))
                 started_s = time.perf_counter()
                 body = await asyncio.get_running_loop().run_in_executor(None, render, snap)
                 log.debug("metrics: %d bytes rendered in %.1f ms", len(body),
@@ -257,6 +266,19 @@ class MetricsServer:
             log.error("error serving metrics; serving on", exc_info=True)
         finally:
             writer.close()
+
+
+def _sees_all(writer: asyncio.StreamWriter) -> bool:
+    """Whether the scraper may see restricted namespaces: the daemon's user or root, by the kernel's word."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or sock.family != socket.AF_UNIX:
+        return False  # TCP: anyone on the host (or beyond) may have connected
+    try:
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                       struct.calcsize("3i")))
+    except OSError:
+        return False
+    return uid in (0, os.geteuid())
 
 
 async def _respond(writer: asyncio.StreamWriter, status: int, content_type: bytes, body: bytes) -> None:

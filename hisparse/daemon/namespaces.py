@@ -26,12 +26,13 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from hisparse.daemon import trust
 from hisparse.daemon.access import give_to_group
 from hisparse.daemon.config import Config
 from hisparse.daemon.index import NamespaceIndex
-from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch
+from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch, QuotaExceeded
 from hisparse.layout import KVLayout, format_size
 from hisparse.paths import namespace_tag
 from hisparse.shm.region import RegionGeometry, create_file, file_size_for
@@ -45,6 +46,9 @@ TABLE_SUFFIX = ".meta"
 # key dict entry, 25 B of arrays (page key, state, pins, LRU stamp, free
 # stack); rounded up for 64-byte keys.
 INDEX_BYTES_PER_PAGE = 208
+# What a namespace named in the config keeps aside until it exists: its region, plus
+# this share of it for its table and index (its page size, hence their size, comes later).
+RESERVED_OVERHEAD_SHARE = 1 / 16
 
 
 def namespace_cost_bytes(shm_dir: str, geometry: RegionGeometry) -> int:
@@ -64,6 +68,8 @@ class Namespace:
     index: NamespaceIndex
     created: bool  # by this daemon run (False: adopted)
     cost_bytes: int = 0
+    creator: dict[str, Any] | None = None  # uid, gid, pid, client of the hello that created it
+    creator_key: object = None  # its Peer.key: what peer_max_namespaces counts
 
     def region_info(self) -> dict[str, object]:
         g = self.geometry
@@ -90,6 +96,8 @@ class _Creation:
     geometry: RegionGeometry
     cost_bytes: int
     future: asyncio.Future
+    creator: dict[str, Any] | None = None
+    creator_key: object = None
 
 
 class Registry:
@@ -140,7 +148,7 @@ class Registry:
         return self._register(name, layout, self._build(name, geometry), cost)
 
     def attach(self, name: str, layout: KVLayout, capacity_bytes: int | None,
-               warnings: list[str]) -> Namespace | asyncio.Future:
+               warnings: list[str], creator: Any = None, client: str = "") -> Namespace | asyncio.Future:
         """The namespace, or a future of it while its region is allocated off the loop.
 
         Raises ``LayoutMismatch``, ``CapacityError`` or ``InvalidArgument``;
@@ -154,10 +162,12 @@ class Registry:
         if pending is not None:
             self._check_same(name, pending.layout, layout, pending.geometry, capacity_bytes, warnings)
             return pending.future
-        geometry, cost = self._plan(name, layout, capacity_bytes, warnings)
+        geometry, cost = self._plan(name, layout, capacity_bytes, warnings, creator)
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
-        self.creating[name] = _Creation(name, layout, geometry, cost, future)
+        who = None if creator is None else {**creator.to_wire(), "client": client}
+        key = None if creator is None else creator.key
+        self.creating[name] = _Creation(name, layout, geometry, cost, future, who, key)
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hisparse-alloc")
         work = loop.run_in_executor(self._executor, self._build, name, geometry)
@@ -171,7 +181,9 @@ class Registry:
                 future.set_exception(work.exception())
                 return
             try:
-                future.set_result(self._register(name, layout, work.result(), cost))
+                ns = self._register(name, layout, work.result(), cost)
+                ns.creator, ns.creator_key = who, key
+                future.set_result(ns)
             except Exception as exc:  # every attacher gets an answer, whatever happened
                 future.set_exception(exc)
 
@@ -196,17 +208,43 @@ class Registry:
             log.warning("%s", text)
             warnings.append(text)
 
+    def _kept_aside_bytes(self, but: str) -> int:
+        """Capacity kept for namespaces named in the config that do not exist yet (``but`` excepted)."""
+        kept = 0
+        for name, c in self.config.namespaces.items():
+            if name != but and name not in self.namespaces and name not in self.creating:
+                region = c.capacity_bytes or self.config.default_namespace_capacity_bytes
+                kept += region + int(region * RESERVED_OVERHEAD_SHARE) + 4096
+        return kept
+
+    def _check_slots(self, name: str, creator: Any) -> None:
+        """Namespaces named in the config keep their slots; others are limited, also per peer."""
+        cfg = self.config
+        if name in cfg.namespaces:
+            return
+        unlisted = [(n, c.creator_key) for n, c in (*self.namespaces.items(), *self.creating.items())
+                    if n not in cfg.namespaces]
+        slots = max(0, cfg.max_namespaces - len(cfg.namespaces))
+        if len(unlisted) >= slots:
+            raise CapacityError(f"max_namespaces ({cfg.max_namespaces}) reached: {len(unlisted)} "
+                                f"namespaces, {len(cfg.namespaces)} slots kept for those named in the "
+                                "config; drop one (hisparsectl drop NAME) or raise max_namespaces")
+        if creator is not None:
+            mine = sum(1 for _, key in unlisted if key == creator.key)
+            if mine >= cfg.peer_max_namespaces:
+                raise QuotaExceeded(f"peer_max_namespaces ({cfg.peer_max_namespaces}): "
+                                    f"{creator.describe()} has created {mine} namespaces not named in "
+                                    "the config; drop one (hisparsectl drop NAME) or name it in the config")
+
     def _plan(self, name: str, layout: KVLayout, requested_bytes: int | None,
-              warnings: list[str]) -> tuple[RegionGeometry, int]:
+              warnings: list[str], creator: Any = None) -> tuple[RegionGeometry, int]:
         """The geometry and cost of a new namespace, or the refusal that names the limit."""
         cfg = self.config
         if layout.page_bytes < cfg.min_page_bytes:
             raise InvalidArgument(
                 f"pages of {layout.page_bytes} B ({layout}) are below min_page_bytes "
                 f"({cfg.min_page_bytes} B): a KV page holds a block of tokens of every layer")
-        if len(self.namespaces) + len(self.creating) >= cfg.max_namespaces:
-            raise CapacityError(f"max_namespaces ({cfg.max_namespaces}) reached: drop one "
-                                "(hisparsectl drop NAME) or raise max_namespaces")
+        self._check_slots(name, creator)
         configured = cfg.namespaces.get(name)
         if configured is not None and configured.capacity_bytes is not None:
             capacity = configured.capacity_bytes
@@ -217,7 +255,8 @@ class Registry:
             capacity = requested_bytes
         else:
             capacity = cfg.default_namespace_capacity_bytes
-        left = cfg.capacity_bytes - self.allocated_bytes
+        kept = self._kept_aside_bytes(name)
+        left = max(0, cfg.capacity_bytes - self.allocated_bytes - kept)
         if capacity < layout.page_bytes:
             raise CapacityError(f"namespace {name!r}: {format_size(capacity)} holds no page of "
                                 f"{format_size(layout.page_bytes)}")
@@ -227,7 +266,8 @@ class Registry:
             raise CapacityError(
                 f"namespace {name!r} needs {format_size(cost)} (region, table and index); "
                 f"{format_size(left)} of the daemon's capacity {format_size(cfg.capacity_bytes)} is "
-                "left: ask for less, drop a namespace, or raise --capacity")
+                f"left ({format_size(kept)} kept for namespaces named in the config): ask for less, "
+                "drop a namespace, or raise --capacity")
         return geometry, cost
 
     def _build(self, name: str, geometry: RegionGeometry) -> tuple[str, int, MetaTable, NamespaceIndex]:

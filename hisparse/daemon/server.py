@@ -268,7 +268,12 @@ class Server:
             reply = protocol.encode_error(None, ErrorCode.PROTOCOL_ERROR,
                                           f"expected one frame per request, got {len(body)}")
         else:
-            result = dispatch(self.ctx, body[0], identity)
+            known = self.guard.limits.peers.get(identity)
+            self.ctx.peer_address = known.address if known is not None else None
+            try:
+                result = dispatch(self.ctx, body[0], identity)
+            finally:
+                self.ctx.peer_address = None
             if isinstance(result, tuple):
                 rid, deferred = result
                 deferred.future.add_done_callback(

@@ -69,7 +69,11 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
                           "SLOT_COMMITTED or SLOT_BUSY; shorter than keys when the region is full "
                           "(the request may carry tag: int, the calling operation's nonce, which "
                           "abort names to give back only what this call reserved)",
-                 "evicted": "list[bytes]: keys evicted (least recently used) to make room"},
+                 "evicted": "list[bytes]: keys evicted (least recently used) to make room",
+                 "shortfall": "nil when slots covers every key; else why not, a map: by (str: "
+                              "\"quota\", a share of the session's or its peer's; \"room\", the "
+                              "region holds nothing more to evict), limit (str: the config key, "
+                              "e.g. \"peer_reserve_share\"; \"\" for room), message (str)"},
     Op.COMMIT: {"committed": "int: pages made visible",
                 "cleared": "list[bytes], only when not empty: keys whose reservation predates "
                            "a clear of the namespace: aborted, never visible (a clear is a barrier)"},
@@ -128,7 +132,7 @@ class ErrorCode(str, enum.Enum):
     CAPACITY = "CAPACITY"  # a region would not fit in the daemon's capacity
     PERMISSION_DENIED = "PERMISSION_DENIED"  # admin op without the admin token
     SHUTTING_DOWN = "SHUTTING_DOWN"  # the daemon is draining and takes no new work
-    QUOTA_EXCEEDED = "QUOTA_EXCEEDED"  # a per-session limit (the message names it) would be passed
+    QUOTA_EXCEEDED = "QUOTA_EXCEEDED"  # a per-session or per-peer limit (the message names it) would be passed
     CLUSTER_UNAVAILABLE = "CLUSTER_UNAVAILABLE"  # no cluster tier, or it did not answer in time
     INTERNAL = "INTERNAL"  # a bug in the daemon; it logged a traceback and serves on
 

@@ -49,7 +49,9 @@ HOLD_BYTES = 4
 FENCE_SUFFIX = ".fence"
 FENCE_DIR_NAME = "fences"
 FENCE_FILE_MODE = 0o640  # the daemon writes; clients of its group open it to lock it
-FENCE_DIR_MODE = 0o750
+# Group may traverse, not list: a fence's name (128 random bits) is told only to the
+# connection that opened its session, so no other tenant can find a fence to lock it.
+FENCE_DIR_MODE = 0o710
 
 LIVE = 1
 LOST = 2
@@ -62,6 +64,7 @@ PIN_MASK = np.uint32((1 << 31) - 1)
 # magic, format, state, region id, num pages, created, handle, namespace length
 _HEADER = struct.Struct("<8sIIQQd8sH")
 _STATE_OFFSET = 12
+_OWNER_OFFSET = 256  # u32: the session's uid + 1 (0: unknown), so a successor knows whose it was
 _NAME_OFFSET = 512
 _NAME_BYTES = 1024
 
@@ -83,6 +86,7 @@ class FenceHeader:
     created_unix_s: float
     handle: str
     namespace: str
+    owner_uid: int | None = None  # the uid of the process that opened the session (SO_PEERCRED)
 
 
 def _parse_header(head: bytes, path: str) -> FenceHeader:
@@ -96,7 +100,9 @@ def _parse_header(head: bytes, path: str) -> FenceHeader:
         handle_str = handle.decode("ascii")
     except UnicodeDecodeError:
         raise InvalidArgument(f"{path}: not a hisparse fence file (bad text)") from None
-    return FenceHeader(state, region_id, num_pages, created, handle_str, namespace)
+    owner = int.from_bytes(head[_OWNER_OFFSET:_OWNER_OFFSET + 4], "little")
+    return FenceHeader(state, region_id, num_pages, created, handle_str, namespace,
+                       owner - 1 if owner else None)
 
 
 class FenceFile:
@@ -112,7 +118,7 @@ class FenceFile:
 
     @classmethod
     def create(cls, directory: str, name: str, *, namespace: str, region_id: int,
-               num_pages: int, handle: str) -> FenceFile:
+               num_pages: int, handle: str, owner_uid: int | None = None) -> FenceFile:
         """A new LIVE fence ``directory/name``; refuses to follow or reuse an existing path."""
         path = os.path.join(directory, name)
         encoded = namespace.encode()
@@ -126,6 +132,8 @@ class FenceFile:
             mm = mmap.mmap(fd, file_bytes(num_pages), mmap.MAP_SHARED)
             created = time.time()
             mm[_NAME_OFFSET:_NAME_OFFSET + len(encoded)] = encoded
+            if owner_uid is not None:
+                mm[_OWNER_OFFSET:_OWNER_OFFSET + 4] = (owner_uid + 1).to_bytes(4, "little")
             mm[:_HEADER.size] = _HEADER.pack(b"\0" * 8, FORMAT_VERSION, LIVE, region_id, num_pages,
                                              created, handle.encode("ascii")[:8], len(encoded))
             mm[:8] = MAGIC  # last: a file without it is never adopted
@@ -133,7 +141,8 @@ class FenceFile:
             os.close(fd)
             _unlink(path)
             raise
-        return cls(path, fd, mm, FenceHeader(LIVE, region_id, num_pages, created, handle, namespace))
+        return cls(path, fd, mm, FenceHeader(LIVE, region_id, num_pages, created, handle, namespace,
+                                             owner_uid))
 
     @classmethod
     def adopt(cls, path: str, *, owner_uid: int) -> FenceFile:

@@ -17,6 +17,7 @@ import torch
 
 import hisparse
 from hisparse import client
+from tests.conftest import QUOTAS_OFF
 from tests.client.engine import chain, finish, page_for, pages_for, spawn
 
 SMALL = hisparse.KVLayout(num_layers=4, block_tokens=16, row_bytes=64)  # 4 KiB pages
@@ -56,7 +57,7 @@ def test_eight_ranks_store_one_chain_at_once(hisparsed, tmp_path):
 
 
 def test_writer_killed_mid_store_leaves_only_exact_pages(daemon_factory):
-    d = daemon_factory(capacity="512MiB", lease_ttl=1.5)
+    d = daemon_factory(capacity="512MiB", lease_ttl=1.5, extra=QUOTAS_OFF)
     n, chunk = 400, 25
     keys = chain("big", n)
     writer = spawn(d.socket, "store-chunks", "crash", MEDIUM, seed="big", count=n, chunk=chunk,

@@ -81,7 +81,8 @@ def test_metrics_address_forms(tmp_path):
     assert config.build(env={}, flags={"metrics_address": "127.0.0.1:9477"}).metrics_endpoint == "127.0.0.1:9477"
     assert config.build(env={}, flags={"metrics_address": "[::1]:9477"}).metrics_endpoint == "[::1]:9477"
     assert config.build(env={}, flags={"metrics_address": "/run/m.sock"}).metrics_endpoint == "/run/m.sock"
-    assert config.build(EXAMPLE, env={}).metrics_endpoint == "127.0.0.1:9477"
+    # the shipped config keeps the 0600 unix socket beside the daemon's (issue 20)
+    assert config.build(EXAMPLE, env={}).metrics_endpoint == "/run/hisparsed/hisparsed.metrics.sock"
     for bad in ("9477", "localhost", "127.0.0.1:99999", "host:port"):
         with pytest.raises(ConfigError, match="metrics_address"):
             config.build(env={}, flags={"metrics_address": bad})

@@ -40,7 +40,9 @@ def ctl(d, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_one_session_can_neither_hoard_reservations_nor_pin_everything(daemon_factory, raw):
-    d = daemon_factory(extra=("--session-reserve-share", "0.25", "--session-pin-share", "0.5"))
+    # per session: hog and victim are one uid here, so the peer shares (their sum) are lifted
+    d = daemon_factory(extra=("--session-reserve-share", "0.25", "--session-pin-share", "0.5",
+                              "--peer-reserve-share", "1", "--peer-pin-share", "1"))
     hog, victim = raw(d), raw(d)  # 8 pages: 2 reservations, 4 pins a session
     k = keys_for("hog", 8)
     # a reserve beyond the share is cut short; one with the share used up is refused, typed
