@@ -15,18 +15,14 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from hisparse.errors import HisparseError, InvalidArgument
-from hisparse.layout import format_size, parse_size
+from hisparse.daemon.config_values import (  # noqa: F401 (ConfigError, MIN_LEASE_TTL_S, LOG_LEVELS re-exported)
+    LOG_LEVELS, MIN_LEASE_TTL_S, UNIX_PATH_MAX, ConfigError, choice_value, count_value, group_value, level_value,
+    metrics_address_value, path_value, seconds_value, share_value, size_value, size_or_zero_value, text_value, ttl_value,
+)
+from hisparse.layout import format_size
 from hisparse.paths import SYSTEM_SOCKET, daemon_default_socket_path  # noqa: F401 (SYSTEM_SOCKET re-exported)
 
-MIN_LEASE_TTL_S = 1.0
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 METRICS_SOCKET_NAME = "hisparsed.metrics.sock"
-UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
-
-
-class ConfigError(HisparseError):
-    """A configuration value is missing, unknown or invalid."""
 
 
 @dataclass(frozen=True)
@@ -151,115 +147,32 @@ class Config:
 
 # TOML key -> (Config field, parser). The same names are used by env (upper
 # case, HISPARSED_ prefix) and flags (--dashed-name).
-def _size(key: str, value: Any) -> int:
-    try:
-        size = parse_size(value)
-    except InvalidArgument as exc:
-        raise ConfigError(f"{key}: {exc}") from None
-    if size <= 0:
-        raise ConfigError(f"{key}: must be positive")
-    return size
-
-
-def _path(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key}: must be a non-empty path string, not {value!r}")
-    return os.path.abspath(os.path.expanduser(value))
-
-
-def _ttl(key: str, value: Any) -> float:
-    try:
-        ttl = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}: must be a number of seconds, not {value!r}") from None
-    if isinstance(value, bool) or not ttl >= MIN_LEASE_TTL_S or ttl > 86_400:
-        raise ConfigError(f"{key}: must be between {MIN_LEASE_TTL_S} and 86400 seconds, not {value!r}")
-    return ttl
-
-
-def _count(low: int, high: int) -> Any:
-    def parse(key: str, value: Any) -> int:
-        try:
-            n = int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: must be an integer, not {value!r}") from None
-        if isinstance(value, (bool, float)) or not low <= n <= high:
-            raise ConfigError(f"{key}: must be an integer from {low} to {high}, not {value!r}")
-        return n
-    return parse
-
-
-def _share(key: str, value: Any) -> float:
-    try:
-        share = float(value) if not isinstance(value, bool) else -1.0
-    except (TypeError, ValueError):
-        share = -1.0
-    if not 0.0 < share <= 1.0:
-        raise ConfigError(f"{key}: must be a share above 0 and at most 1 (e.g. 0.5), not {value!r}")
-    return share
-
-
-def _level(key: str, value: Any) -> str:
-    if not isinstance(value, str) or value.upper() not in LOG_LEVELS:
-        raise ConfigError(f"{key}: must be one of {', '.join(LOG_LEVELS)}, not {value!r}")
-    return value.upper()
-
-
-def _metrics_address(key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: must be a string (a unix socket path, HOST:PORT, or \"\" for off), "
-                          f"not {value!r}")
-    if value in ("", "off"):
-        return ""
-    if value.startswith("/") or value.startswith("~"):
-        path = os.path.abspath(os.path.expanduser(value))
-        if len(os.fsencode(path)) > UNIX_PATH_MAX:
-            raise ConfigError(f"{key}: {path} is longer than a unix socket path may be "
-                              f"({UNIX_PATH_MAX} bytes)")
-        return path
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{key}: {value!r} is neither an absolute unix socket path nor HOST:PORT "
-                          "(e.g. 127.0.0.1:9477); \"\" turns metrics off")
-    return value
 
 
 _KEYS: dict[str, tuple[str, Any]] = {
-    "socket": ("socket", _path),
-    "shm_dir": ("shm_dir", _path),
-    "meta_dir": ("meta_dir", _path),
-    "capacity": ("capacity_bytes", _size),
-    "default_namespace_capacity": ("default_namespace_capacity_bytes", _size),
-    "min_page_bytes": ("min_page_bytes", _size),
-    "max_namespaces": ("max_namespaces", _count(1, 1 << 20)),
-    "session_pin_share": ("session_pin_share", _share),
-    "session_reserve_share": ("session_reserve_share", _share),
-    "peer_pin_share": ("peer_pin_share", _share),
-    "peer_reserve_share": ("peer_reserve_share", _share),
-    "peer_max_namespaces": ("peer_max_namespaces", _count(1, 1 << 20)),
-    **{key: (key, _count(0 if key == "fd_headroom" else 1, 1 << 30))
+    "socket": ("socket", path_value),
+    "shm_dir": ("shm_dir", path_value),
+    "meta_dir": ("meta_dir", path_value),
+    "capacity": ("capacity_bytes", size_value),
+    "default_namespace_capacity": ("default_namespace_capacity_bytes", size_value),
+    "min_page_bytes": ("min_page_bytes", size_value),
+    "max_namespaces": ("max_namespaces", count_value(1, 1 << 20)),
+    "session_pin_share": ("session_pin_share", share_value),
+    "session_reserve_share": ("session_reserve_share", share_value),
+    "peer_pin_share": ("peer_pin_share", share_value),
+    "peer_reserve_share": ("peer_reserve_share", share_value),
+    "peer_max_namespaces": ("peer_max_namespaces", count_value(1, 1 << 20)),
+    **{key: (key, count_value(0 if key == "fd_headroom" else 1, 1 << 30))
        for key in ("max_sessions", "max_sessions_per_connection", "max_sessions_per_uid",
                    "max_connections", "max_connections_per_uid", "fd_headroom")},
-    "max_request_bytes_in_flight": ("max_request_bytes_in_flight", _size),
-    "lease_ttl": ("lease_ttl_s", _ttl),
-    "log_level": ("log_level", _level),
-    "admin_token_file": ("admin_token_file", _path),
-    "metrics_address": ("metrics_address", _metrics_address),
+    "max_request_bytes_in_flight": ("max_request_bytes_in_flight", size_value),
+    "lease_ttl": ("lease_ttl_s", ttl_value),
+    "log_level": ("log_level", level_value),
+    "admin_token_file": ("admin_token_file", path_value),
+    "metrics_address": ("metrics_address", metrics_address_value),
 }
 RELOADABLE = ("lease_ttl_s", "log_level", "session_pin_share", "session_reserve_share", "peer_pin_share",
               "peer_reserve_share", "peer_max_namespaces")
-
-
-def _group(key: str, value: Any) -> str:
-    import grp
-
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key}: must be a group name, not {value!r}")
-    try:
-        grp.getgrnam(value)
-    except KeyError:
-        raise ConfigError(f"{key}: no group {value!r} on this machine (create it, or fix the name)") from None
-    return value
 
 
 def _namespaces(value: Any) -> dict[str, NamespaceConfig]:
@@ -275,55 +188,27 @@ def _namespaces(value: Any) -> dict[str, NamespaceConfig]:
             raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown key (known: capacity, group)")
         if "capacity" not in table and "group" not in table:
             raise ConfigError(f"{where}.capacity: missing (give it a capacity, a group, or both)")
-        capacity = _size(f"{where}.capacity", table["capacity"]) if "capacity" in table else None
-        group = _group(f"{where}.group", table["group"]) if "group" in table else None
+        capacity = size_value(f"{where}.capacity", table["capacity"]) if "capacity" in table else None
+        group = group_value(f"{where}.group", table["group"]) if "group" in table else None
         out[name] = NamespaceConfig(capacity, group)
     return out
 
 
-def _choice(choices: tuple[str, ...]) -> Any:
-    def parse(key: str, value: Any) -> str:
-        if not isinstance(value, str) or value.lower() not in choices:
-            raise ConfigError(f"{key}: must be one of {', '.join(choices)}, not {value!r}")
-        return value.lower()
-    return parse
-
-
-def _text(key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: must be a string, not {value!r}")
-    return value
-
-
-def _size_or_zero(key: str, value: Any) -> int:
-    return 0 if value in (0, "0") else _size(key, value)
-
-
-def _seconds(key: str, value: Any) -> float:
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}: must be a number of seconds, not {value!r}") from None
-    if isinstance(value, bool) or not 0.01 <= seconds <= 600:
-        raise ConfigError(f"{key}: must be between 0.01 and 600 seconds, not {value!r}")
-    return seconds
-
-
 # [cluster] key -> (ClusterConfig field, parser); env: HISPARSED_CLUSTER_<KEY>.
 _CLUSTER_KEYS: dict[str, tuple[str, Any]] = {
-    "backend": ("backend", _choice(CLUSTER_BACKENDS)),
-    "master": ("master", _text),
-    "metadata_server": ("metadata_server", _text),
-    "protocol": ("protocol", _choice(CLUSTER_PROTOCOLS)),
-    "rdma_devices": ("rdma_devices", _text),
-    "local_hostname": ("local_hostname", _text),
-    "segment_size": ("segment_size_bytes", _size_or_zero),
-    "buffer_size": ("buffer_size_bytes", _size),
-    "replicas": ("replicas", _count(1, 16)),
-    "write_policy": ("write_policy", _choice(WRITE_POLICIES)),
-    "queue_pages": ("queue_pages", _count(1, 1 << 24)),
-    "batch_pages": ("batch_pages", _count(1, 4096)),
-    "timeout": ("timeout_s", _seconds),
+    "backend": ("backend", choice_value(CLUSTER_BACKENDS)),
+    "master": ("master", text_value),
+    "metadata_server": ("metadata_server", text_value),
+    "protocol": ("protocol", choice_value(CLUSTER_PROTOCOLS)),
+    "rdma_devices": ("rdma_devices", text_value),
+    "local_hostname": ("local_hostname", text_value),
+    "segment_size": ("segment_size_bytes", size_or_zero_value),
+    "buffer_size": ("buffer_size_bytes", size_value),
+    "replicas": ("replicas", count_value(1, 16)),
+    "write_policy": ("write_policy", choice_value(WRITE_POLICIES)),
+    "queue_pages": ("queue_pages", count_value(1, 1 << 24)),
+    "batch_pages": ("batch_pages", count_value(1, 4096)),
+    "timeout": ("timeout_s", seconds_value),
 }
 
 

@@ -12,20 +12,18 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from hisparse.daemon.context import DaemonContext, authorize
 from hisparse.layout import format_size
 from hisparse.protocol import AdminRequest, ErrorCode, WireError
 
 if TYPE_CHECKING:
-    from hisparse.daemon.handlers import DaemonContext
     from hisparse.daemon.sessions import Session
 
 log = logging.getLogger(__name__)
 
 
 def handle_drop(ctx: DaemonContext, session: Session, req: AdminRequest) -> dict[str, Any]:
-    from hisparse.daemon.handlers import _authorize
-
-    _authorize(ctx, req)
+    authorize(ctx, req)
     assert req.namespace is not None
     name = req.namespace
     if name in ctx.registry.creating:

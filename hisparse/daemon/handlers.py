@@ -10,34 +10,25 @@ turns into ``INTERNAL`` and a logged traceback.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import hisparse
-from hisparse.daemon.access import AccessControl
-from hisparse.daemon.config import Config
+from hisparse.daemon.admin_ops import handle_clear, handle_evict_session, handle_shutdown
+from hisparse.daemon.context import DaemonContext, Deferred, Handler, ns_of
+from hisparse.daemon.hello import handle_hello
 from hisparse.daemon.governance import handle_drop
-from hisparse.daemon.peers import Peer, from_address
 from hisparse.daemon.quotas import check_pin_quota, reserve_room, shortfall
-from hisparse.daemon.namespaces import Namespace, Registry
-from hisparse.daemon.opstats import OpStats
-from hisparse.daemon.sessions import PinHold, Session, SessionTable, Zombie
+from hisparse.daemon.sessions import PinHold, Session
 from hisparse.daemon.stats import handle_stats
-from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch, QuotaExceeded
-from hisparse.shm.fence import FENCE_DIR_MODE, fence_dir_for
 from hisparse.protocol import (
     VERSION,
-    AdminRequest,
     ErrorCode,
     PagesRequest,
     EventsRequest,
-    HelloRequest,
     KeysPageRequest,
     KeysRequest,
     Op,
@@ -53,112 +44,7 @@ log = logging.getLogger(__name__)
 MAX_REPLY_ENTRIES = 16_384
 
 
-@dataclass
-class DaemonContext:
-    config: Config
-    registry: Registry
-    sessions: SessionTable
-    admin_token: str
-    fence_dir: str = ""  # fences/ beside the socket (hisparse.shm.fence); "": derived and created
-    peer: bytes = b""  # ZeroMQ routing id of the request being handled
-    peer_address: str | None = None  # its connection's Peer-Address while it is handled: the kernel's credentials (peers.py)
-    started_s: float = field(default_factory=time.monotonic)
-    request_shutdown: Callable[[str], None] = lambda reason: None
-    evictions_since_log: dict[str, int] = field(default_factory=dict)
-    cluster: Any = None  # hisparse.daemon.cluster.ClusterTier when [cluster] is on
-    requests_total: int = 0
-    errors_total: int = 0
-    opstats: OpStats = field(default_factory=OpStats)
-    transport_stats: Callable[[], dict[str, int]] = lambda: {}
-    access: AccessControl | None = None  # None: every namespace open (no prepare)
-    privileged: set[int] = field(default_factory=set)  # admin sessions that showed the token
-    fence_sweep: Any = None  # hisparse.daemon.sweep.FenceSweep: the start-up sweep (None: none)
-
-    def __post_init__(self) -> None:
-        if not self.fence_dir:
-            self.fence_dir = fence_dir_for(self.config.socket)
-            os.makedirs(self.fence_dir, mode=FENCE_DIR_MODE, exist_ok=True)
-
-
-Handler = Callable[[DaemonContext, Any, Any], dict[str, Any]]
-
-
-def _ns(session: Session):
-    if session.namespace is None:
-        raise WireError(ErrorCode.NOT_ATTACHED, "this session has no namespace (hello without one)")
-    return session.namespace
-
-
 # -- session-less ops --
-
-@dataclass
-class Deferred:
-    """A reply that waits for work off the loop: ``finish(result)`` builds its body on the loop."""
-
-    future: Any  # asyncio.Future
-    finish: Callable[[Any], dict[str, Any]]
-    errors: Callable[[BaseException], WireError | None] = lambda exc: None
-
-
-def _attach_errors(exc: BaseException) -> WireError | None:
-    if isinstance(exc, LayoutMismatch):
-        return WireError(ErrorCode.LAYOUT_MISMATCH, str(exc))
-    if isinstance(exc, QuotaExceeded):
-        return WireError(ErrorCode.QUOTA_EXCEEDED, str(exc))
-    if isinstance(exc, CapacityError):
-        return WireError(ErrorCode.CAPACITY, str(exc))
-    if isinstance(exc, InvalidArgument):
-        return WireError(ErrorCode.INVALID_ARGUMENT, str(exc))
-    if isinstance(exc, OSError):  # e.g. shm_dir full or gone: the daemon serves on
-        return WireError(ErrorCode.CAPACITY, f"the region could not be created: {exc}")
-    return None
-
-
-def peer_of(ctx: DaemonContext) -> Peer:
-    """Who sent the request being handled (uid, gid, pid from SO_PEERCRED when the kernel says)."""
-    return from_address(ctx.peer_address, ctx.peer)
-
-
-def handle_hello(ctx: DaemonContext, _: None, req: HelloRequest) -> dict[str, Any] | Deferred:
-    owner = peer_of(ctx)
-    if req.namespace is None:
-        body = _open_session(ctx, None, req, [], owner)
-        if req.token is not None and hmac.compare_digest(req.token.encode(), ctx.admin_token.encode()):
-            ctx.privileged.add(body["session"])
-        return body
-    assert req.layout is not None
-    if ctx.access is not None:
-        ctx.access.check(req.namespace, req.access_key)
-    warnings: list[str] = []
-    try:
-        got = ctx.registry.attach(req.namespace, req.layout, req.capacity_bytes, warnings,
-                                  creator=owner, client=req.client)
-    except (LayoutMismatch, CapacityError, InvalidArgument) as exc:
-        raise _attach_errors(exc) from None  # type: ignore[misc]
-    if not isinstance(got, Namespace):  # its region is being allocated off the loop
-        return Deferred(got, lambda ns: _open_session(ctx, ns, req, warnings, owner), _attach_errors)
-    return _open_session(ctx, got, req, warnings, owner)
-
-
-def _open_session(ctx: DaemonContext, ns: Namespace | None, req: HelloRequest,
-                  warnings: list[str], owner: Peer) -> dict[str, Any]:
-    # bound to the connection that said hello (owner.connection), also when answered later
-    session = ctx.sessions.open(ns, req.client, owner.connection, ctx.fence_dir, owner)
-    if ns is not None:
-        log.info("attach: %s", session.describe())
-    else:
-        log.debug("attach: %s", session.describe())
-    return {
-        "session": session.id,
-        "lease_ttl_s": ctx.sessions.lease_ttl_s,
-        "daemon_pid": os.getpid(),
-        "daemon_version": hisparse.__version__,
-        "region": ns.region_info() if ns else None,
-        "events_seq": ns.index.events.last_seq if ns else 0,
-        "warnings": warnings,
-        "fence": session.fence.name if session.fence else None,
-    }
-
 
 def handle_ping(ctx: DaemonContext, _: None, req: Request) -> dict[str, Any]:
     return {"version": hisparse.__version__, "protocol": VERSION,
@@ -168,7 +54,7 @@ def handle_ping(ctx: DaemonContext, _: None, req: Request) -> dict[str, Any]:
 # -- data ops --
 
 def handle_lookup(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any] | Deferred:
-    ns = _ns(session)
+    ns = ns_of(session)
     count = ns.index.lookup(req.keys)
     if not req.remote:
         return {"count": count}
@@ -185,7 +71,7 @@ def handle_prefetch(ctx: DaemonContext, session: Session, req: KeysRequest) -> d
     if ctx.cluster is None:
         raise WireError(ErrorCode.CLUSTER_UNAVAILABLE,
                         "this hisparsed has no cluster tier: set [cluster] backend in its config")
-    body = ctx.cluster.prefetch(_ns(session), req.keys, req.wait)
+    body = ctx.cluster.prefetch(ns_of(session), req.keys, req.wait)
     if isinstance(body, Future):
         return Deferred(asyncio.wrap_future(body), lambda done: done, _cluster_errors)
     return body
@@ -208,7 +94,7 @@ def _require_fence(session: Session, what: str) -> None:
 
 
 def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    ns = _ns(session)
+    ns = ns_of(session)
     _require_fence(session, "reserve")
     _refuse_given_back(session, req)
     room, limit = reserve_room(ctx, session)
@@ -258,7 +144,7 @@ def _settle(session: Session, req: KeysRequest, what: str, apply) -> int:
 
 
 def handle_commit(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    ns = _ns(session)
+    ns = ns_of(session)
     index = ns.index
     done: list[tuple[bytes, int]] = []
     cleared: list[bytes] = []
@@ -277,7 +163,7 @@ def handle_commit(ctx: DaemonContext, session: Session, req: KeysRequest) -> dic
 
 
 def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    index = _ns(session).index
+    index = ns_of(session).index
     if req.tag is not None or req.missing_ok:
         # tag: only what that call's reserves took, never another thread's live reservation
         keys = session.tags.reserved_by(req.tag, req.keys) if req.tag is not None else req.keys
@@ -292,7 +178,7 @@ def handle_abort(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict
 
 
 def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any]:
-    ns = _ns(session)
+    ns = ns_of(session)
     _require_fence(session, "pin")
     _refuse_given_back(session, req)
     pages = ns.index.committed_prefix_pages(req.keys)  # walked once: the quota sees what is pinned
@@ -314,7 +200,7 @@ def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[s
 
 
 def handle_unpin(ctx: DaemonContext, session: Session, req: PagesRequest) -> dict[str, Any]:
-    ns = _ns(session)
+    ns = ns_of(session)
     index = ns.index
     if req.whole_call:
         assert req.tag is not None
@@ -355,7 +241,7 @@ def _unpin_call(ctx: DaemonContext, session: Session, index: Any, tag: int) -> i
             del session.pins[page]
             gone.append(page)
         pages.append(page)
-    ctx.sessions.note_pins(session.owner.key, _ns(session).name, [], gone)
+    ctx.sessions.note_pins(session.owner.key, ns_of(session).name, [], gone)
     session.fence.remove_pins(pages)  # type: ignore[union-attr]
     return len(pages)
 
@@ -368,7 +254,7 @@ def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) ->
     publication. A key someone already committed (or is writing) is not
     published twice: that reservation stays held, its page id is -1 here.
     """
-    ns = _ns(session)
+    ns = ns_of(session)
     index = ns.index
     held = _held(session, req.keys, "publish")
     if len(set(req.as_keys)) != len(req.as_keys):
@@ -418,63 +304,16 @@ def handle_bye(ctx: DaemonContext, session: Session, req: Request) -> dict[str, 
 
 
 def handle_events(ctx: DaemonContext, session: Session, req: EventsRequest) -> dict[str, Any]:
-    events, seq, reset = _ns(session).index.events.since(req.after, min(req.limit, MAX_REPLY_ENTRIES))
+    events, seq, reset = ns_of(session).index.events.since(req.after, min(req.limit, MAX_REPLY_ENTRIES))
     return {"seq": seq, "events": [list(e) for e in events], "reset": reset}
 
 
 def handle_keys(ctx: DaemonContext, session: Session, req: KeysPageRequest) -> dict[str, Any]:
-    index = _ns(session).index
+    index = ns_of(session).index
     seq = index.events.last_seq
     index.events.enabled = True
     keys, cursor = index.committed_page(req.cursor, min(req.limit, MAX_REPLY_ENTRIES))
     return {"keys": [list(k) for k in keys], "next_cursor": cursor, "seq": seq}
-
-
-# -- admin ops --
-
-def _authorize(ctx: DaemonContext, req: AdminRequest) -> None:
-    if not hmac.compare_digest(req.token.encode(), ctx.admin_token.encode()):
-        raise WireError(ErrorCode.PERMISSION_DENIED, f"{req.op.value}: wrong admin token")
-
-
-def handle_clear(ctx: DaemonContext, session: Session, req: AdminRequest) -> dict[str, Any]:
-    _authorize(ctx, req)
-    assert req.namespace is not None
-    ns = ctx.registry.namespaces.get(req.namespace)
-    if ns is None:
-        raise WireError(ErrorCode.INVALID_ARGUMENT, f"no namespace {req.namespace!r}")
-    freed, doomed = ns.index.clear()
-    log.info("clear %r by %s: %d pages freed, %d freed on their last unpin",
-             ns.name, session.describe(), freed, doomed)
-    return {"freed_pages": freed, "doomed_pages": doomed}
-
-
-def handle_evict_session(ctx: DaemonContext, session: Session, req: AdminRequest) -> dict[str, Any]:
-    """Free a session's pages now, whether it is live or fenced: the operator's call."""
-    _authorize(ctx, req)
-    assert req.target is not None
-    try:
-        target = ctx.sessions.find(req.target)
-    except InvalidArgument as exc:
-        raise WireError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None
-    if target is None:
-        raise WireError(ErrorCode.INVALID_ARGUMENT, f"no session {req.target} (live or fenced)")
-    what = target.describe()
-    if isinstance(target, Zombie):
-        freed, released = ctx.sessions.release_zombie(target)
-    else:
-        reserved, pins = len(target.reservations), sum(h.count for h in target.pins.values())
-        ctx.sessions.evict(target)
-        freed, released = reserved, pins
-    log.warning("evict-session %s by %s: %d fenced pages freed, %d pins released",
-                what, session.describe(), freed, released)
-    return {"freed_pages": freed, "released_pins": released}
-
-
-def handle_shutdown(ctx: DaemonContext, session: Session, req: AdminRequest) -> dict[str, Any]:
-    _authorize(ctx, req)
-    ctx.request_shutdown(f"shutdown requested by {session.describe()}")
-    return {}
 
 
 HANDLERS: dict[Op, Handler] = {

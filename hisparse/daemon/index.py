@@ -19,77 +19,20 @@ import logging
 from array import array
 
 import numpy as np
-from dataclasses import dataclass, field
 
 from hisparse.daemon.eviction import StampLRU
+from hisparse.daemon.index_log import EventLog, IndexCounters
+from hisparse.daemon.pincount import DOOMED, PinCounts
 from hisparse.protocol import EVENT_COMMIT, EVENT_EVICT, SLOT_BUSY, SLOT_COMMITTED
 from hisparse.shm.table import COMMITTED, FREE, WRITING, MetaTable
 
 log = logging.getLogger(__name__)
 
-DOOMED = 3
 FENCED = 4  # an ended session's reservation: not reused while its process may write
-MAX_EVENTS = 1 << 18  # kept per namespace for mirrors; older ones force a resync
 SCAN_WINDOW_PAGES = 1 << 20  # pages a `keys` call looks at, at most
 
 
-@dataclass
-class IndexCounters:
-    lookups: int = 0
-    lookup_keys: int = 0
-    hit_keys: int = 0
-    reserved_pages: int = 0
-    committed_pages: int = 0
-    aborted_pages: int = 0
-    evicted_pages: int = 0
-    pins: int = 0
-
-    def hit_rate(self) -> float:
-        return self.hit_keys / self.lookup_keys if self.lookup_keys else 0.0
-
-
-@dataclass
-class EventLog:
-    """Commit/evict events for the mirrors of clients (vLLM's scheduler-side lookup).
-
-    Events are recorded only once some client asked for them, so a
-    namespace nobody mirrors pays nothing.
-    """
-
-    enabled: bool = False
-    first_seq: int = 1  # sequence number of events[0]
-    events: list[tuple[int, bytes, int]] = field(default_factory=list)
-
-    @property
-    def last_seq(self) -> int:
-        return self.first_seq + len(self.events) - 1
-
-    def append(self, kind: int, key: bytes, page: int) -> None:
-        if not self.enabled:
-            self.first_seq += 1  # keep counting, so cursors from before stay comparable
-            return
-        self.events.append((kind, key, page))
-        if len(self.events) > MAX_EVENTS:
-            drop = len(self.events) // 2
-            del self.events[:drop]
-            self.first_seq += drop
-
-    def forget(self, count: int) -> None:
-        """``count`` events happened that are not kept: every mirror resyncs (``reset``)."""
-        self.first_seq = self.last_seq + count + 1
-        self.events.clear()
-
-    def since(self, after: int, limit: int) -> tuple[list[tuple[int, bytes, int]], int, bool]:
-        """Events after ``after``: (events, seq of the last returned, reset)."""
-        self.enabled = True
-        if after < self.first_seq - 1 or after > self.last_seq:
-            return [], self.last_seq, True
-        start = after - self.first_seq + 1
-        chunk = self.events[start:start + limit]
-        return chunk, after + len(chunk), False
-
-
-class NamespaceIndex:
+class NamespaceIndex(PinCounts):
     def __init__(self, table: MetaTable) -> None:
         num_pages = table.header.geometry.num_pages
         self.table = table
@@ -302,82 +245,6 @@ class NamespaceIndex:
             free = np.frombuffer(self.free, dtype=np.int32)
             self.free = array("i", free[~np.isin(free, fenced)].tobytes())
         return fenced, pinned
-
-    def pin(self, keys: tuple[bytes, ...]) -> list[int]:
-        """Pin the committed prefix; returns its pages (the caller records the holds)."""
-        pages = self._committed_prefix(keys)
-        self.pin_pages(pages)
-        return pages
-
-    def pin_pages(self, pages: list[int]) -> None:
-        """Pin pages a ``committed_prefix_pages`` just found (the chain's head is touched last)."""
-        self.lru.touch_many(pages[::-1])
-        for page in pages:
-            self._pin_page(page)
-        self.counters.pins += len(pages)
-
-    def _pin_page(self, page: int) -> None:
-        if self.pins[page] == 0:
-            self.num_pinned_pages += 1
-            self.lru.hold(page)
-        self.pins[page] += 1
-
-    def unpin(self, page: int) -> None:
-        pins = self.pins
-        assert pins[page] > 0, f"page {page} is not pinned"
-        pins[page] -= 1
-        if pins[page] == 0:
-            self.num_pinned_pages -= 1
-            if self.state[page] == DOOMED:
-                self.state[page] = FREE
-                self.free.append(page)
-            elif self.state[page] == COMMITTED:
-                self.lru.release(page)  # in use until now: the most recently used
-
-    def unpin_many(self, pages: list[int], counts: list[int]) -> None:
-        """``unpin`` each of ``pages`` (distinct) ``counts`` times: vectorised, for a session
-        ending with millions of pins (a ``bye`` of 4M pins takes milliseconds, not seconds)."""
-        if len(pages) < 1024:
-            for page, count in zip(pages, counts):
-                for _ in range(count):
-                    self.unpin(page)
-            return
-        p = np.asarray(pages, dtype=np.int64)
-        c = np.asarray(counts, dtype=np.uint32)
-        pins = np.frombuffer(self.pins, dtype=np.uint32)
-        assert (pins[p] >= c).all(), "unpinning pages that are not pinned that often"
-        pins[p] -= c
-        zero = p[pins[p] == 0]
-        self.num_pinned_pages -= len(zero)
-        states = np.frombuffer(self.state, dtype=np.uint8)
-        now = states[zero]
-        doomed = zero[now == DOOMED]
-        states[doomed] = FREE
-        self.free.frombytes(doomed.astype(np.int32).tobytes())
-        self.lru.release_many(zero[now == COMMITTED])
-    def hold_committed(self, key: bytes, page: int) -> int | None:
-        """Pin ``page`` for the daemon's own read (the cluster tier copying it out).
-
-        None when ``key`` is no longer committed in ``page`` (evicted, reused).
-        Returns the page's LRU stamp, which ``end_hold`` puts back: a page
-        read for the cluster keeps its place in the eviction order.
-        """
-        if self.keys.get(key) != page or self.state[page] != COMMITTED:
-            return None
-        stamp = self.lru.stamps[page]
-        if self.pins[page] == 0:
-            self.num_pinned_pages += 1
-            self.lru.hold(page)
-        self.pins[page] += 1
-        return stamp
-
-    def end_hold(self, page: int, stamp: int) -> None:
-        if self.pins[page] == 1 and self.state[page] == COMMITTED and not self.lru.is_held_stamp(stamp):
-            self.pins[page] = 0
-            self.num_pinned_pages -= 1
-            self.lru.restore(page, stamp)
-            return
-        self.unpin(page)
 
     def clear(self) -> tuple[int, int]:
         """Drop every committed page: (freed now, doomed until unpinned). WRITING stays

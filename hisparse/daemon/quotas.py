@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from hisparse.protocol import ErrorCode, WireError
 
 if TYPE_CHECKING:
-    from hisparse.daemon.handlers import DaemonContext
+    from hisparse.daemon.context import DaemonContext
     from hisparse.daemon.namespaces import Namespace
     from hisparse.daemon.sessions import Session
 

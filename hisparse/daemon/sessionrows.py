@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from hisparse.daemon.proclocks import FenceHolders
 
 if TYPE_CHECKING:
-    from hisparse.daemon.handlers import DaemonContext
+    from hisparse.daemon.context import DaemonContext
 
 _FENCE_HOLDERS = FenceHolders()
 

@@ -17,7 +17,7 @@ import hisparse
 from hisparse.daemon.sessionrows import session_rows
 
 if TYPE_CHECKING:
-    from hisparse.daemon.handlers import DaemonContext
+    from hisparse.daemon.context import DaemonContext
     from hisparse.daemon.sessions import Session
     from hisparse.protocol import Request
 
