@@ -189,7 +189,7 @@ class ClusterTier:
         c = self.config
         out: dict[str, Any] = {"backend": c.backend, "state": self.state, "master": c.master,
                                "protocol": c.protocol, "write_policy": c.write_policy,
-                               "replicas": c.replicas, "queue_pages": c.queue_pages,
+                               "replicas": c.replicas, "queue_pages": c.queue_pages, "timeout_s": c.timeout_s,
                                "queue_depth": len(self._queue), "known_remote_keys": len(self._known),
                                "last_error": self.last_error}
         out.update(self.counters)
