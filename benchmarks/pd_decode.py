@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 from benchmarks._common import percentile  # noqa: E402
 from benchmarks.cluster import _cluster, _keys, _wait, daemon, master  # noqa: E402
 from hisparse import client, format_size, parse_size  # noqa: E402
-from hisparse.cluster import format as fmt  # noqa: E402
+from hisparse.protocol import MAX_KEYS_PER_REQUEST  # noqa: E402
 
 
 def manager_of(engine):
@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         def promote() -> None:
             t0 = time.perf_counter()
             try:  # the engine's own promotion path (vllm/cluster.py), on its manager's client
-                manager._cluster._send(keys)
+                for start in range(0, n, MAX_KEYS_PER_REQUEST):  # as its sender thread chunks
+                    manager._cluster._send(keys[start:start + MAX_KEYS_PER_REQUEST])
             finally:
                 took["s"] = time.perf_counter() - t0
                 stop.set()
