@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         knobs = {"backend": "mooncake", "master": addr, "metadata_server": metadata,
                  "local_hostname": "127.0.0.1", "segment_size": str(size * 3 // 4 + (64 << 20)),
                  "timeout": "120", "queue_pages": str(1 << 22)}
-        a_sock = stack.enter_context(daemon(2 * size, knobs))
-        b_sock = stack.enter_context(daemon(2 * size, knobs))
+        a_sock = stack.enter_context(daemon(3 * size, knobs))  # region, table and index
+        b_sock = stack.enter_context(daemon(3 * size, knobs))
         engine = harness.VllmEngine(b_sock, engine_id="decode-b", deadline_s=0.02, timeout_s=1.0,
                                     capacity=str(2 * size), num_blocks=256)  # the adapter's defaults
         _wait("the engine's cluster probe", lambda: manager_of(engine)._cluster._enabled, timeout_s=60)
