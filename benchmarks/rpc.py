@@ -7,7 +7,12 @@ frame straight back, alternating short turns between them so both see the
 same machine noise. The ratio of round-trip percentiles is what the daemon
 adds on top of the transport.
 
-    python benchmarks/rpc.py [--requests N]      # target: p50 ratio <= 1.5
+With ``--inflight 1,8,64`` each turn keeps that many requests in flight on
+one connection (a client whose threads share one transport): the latency
+of each request and the requests per second (saturation) of each server.
+
+    python benchmarks/rpc.py [--requests N] [--inflight 1,8,64]
+    # targets: p50 ratio <= 1.3, saturation ratio >= 0.8
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import deque
 
 import zmq
 
@@ -53,6 +59,28 @@ def round_trips(sock: zmq.Socket, frame: bytes, n: int) -> list[float]:
     return samples
 
 
+def pipelined(sock: zmq.Socket, frame: bytes, n: int, depth: int) -> tuple[list[float], float]:
+    """``n`` requests, ``depth`` of them in flight: each one's round trip, and the busy seconds."""
+    sent: deque[float] = deque()
+    samples = []
+    clock = time.perf_counter
+    started = clock()
+    issued = 0
+    while issued < min(depth, n):
+        sent.append(clock())
+        sock.send(frame)
+        issued += 1
+    for _ in range(n):
+        sock.recv()
+        now = clock()
+        samples.append(now - sent.popleft())
+        if issued < n:
+            sent.append(now)
+            sock.send(frame)
+            issued += 1
+    return samples, clock() - started
+
+
 def call(sock: zmq.Socket, op: Op, **fields) -> dict:
     sock.send(protocol.encode_request(op, 1, **fields))
     return protocol.decode_reply(sock.recv()).result()
@@ -62,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=20_000, help="round trips to each server")
     ap.add_argument("--batch", type=int, default=100, help="round trips per turn; turns alternate")
+    ap.add_argument("--inflight", default="1", help="requests in flight per client, comma-separated")
     args = ap.parse_args(argv)
     ctx = zmq.Context.instance()
     keys = [os.urandom(36) for _ in range(KEYS)]
@@ -90,25 +119,35 @@ def main(argv: list[str] | None = None) -> int:
         for sock in (ours_sock, echo_sock):
             round_trips(sock, frame, 1000)  # warm up
         # Short alternating turns: both see the same noise of this shared machine.
-        ours: list[float] = []
-        bare: list[float] = []
-        while len(ours) < args.requests:
-            ours += round_trips(ours_sock, frame, args.batch)
-            bare += round_trips(echo_sock, frame, args.batch)
+        runs = {}
+        for depth in [int(d) for d in args.inflight.split(",")]:
+            ours: list[float] = []
+            bare: list[float] = []
+            busy = [0.0, 0.0]
+            turn = max(args.batch, 4 * depth)
+            while len(ours) < args.requests:
+                for i, (sock, out) in enumerate(((ours_sock, ours), (echo_sock, bare))):
+                    got, spent = pipelined(sock, frame, turn, depth)
+                    out += got
+                    busy[i] += spent
+            runs[depth] = (ours, bare, len(ours) / busy[0], len(bare) / busy[1])
         ours_sock.close(linger=0)
         fence.retire()
     echo_sock.send(b"stop")
     echo_proc.join(10)
     echo_sock.close(linger=0)
 
-    print(f"64-key lookup, {len(frame)} B frame, {len(ours)} round trips each in alternating turns "
-          f"of {args.batch}, ipc:// socket")
-    print(f"{'':22}{'p50 us':>10}{'p99 us':>10}")
-    for name, samples in (("hisparsed lookup", ours), ("bare zmq echo", bare)):
-        print(f"{name:22}{percentile(samples, 50) * 1e6:10.1f}{percentile(samples, 99) * 1e6:10.1f}")
-    p50 = percentile(ours, 50) / percentile(bare, 50)
-    p99 = percentile(ours, 99) / percentile(bare, 99)
-    print(f"ratio hisparsed/echo: p50 {p50:.2f} (target <= 1.5), p99 {p99:.2f}")
+    print(f"64-key lookup, {len(frame)} B frame, {args.requests} requests each per depth in "
+          f"alternating turns, one connection, ipc:// socket; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'in flight':>9} {'':18}{'p50 us':>9}{'p99 us':>10}{'req/s':>9}")
+    for depth, (ours, bare, ours_rate, bare_rate) in runs.items():
+        for name, samples, rate in (("hisparsed lookup", ours, ours_rate), ("bare zmq echo", bare, bare_rate)):
+            print(f"{depth:9} {name:18}{percentile(samples, 50) * 1e6:9.1f}"
+                  f"{percentile(samples, 99) * 1e6:10.1f}{rate:9.0f}")
+        p50 = percentile(ours, 50) / percentile(bare, 50)
+        p99 = percentile(ours, 99) / percentile(bare, 99)
+        print(f"{depth:9} ratio hisparsed/echo: p50 {p50:.2f} (target <= 1.3), p99 {p99:.2f}, "
+              f"saturation {ours_rate / bare_rate:.2f} (target >= 0.8)")
     return 0
 
 

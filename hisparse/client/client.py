@@ -39,7 +39,7 @@ from hisparse.client.pins import Pin
 from hisparse.client.results import ShortStoreWarnings, StoreResult
 from hisparse.client.session import DEFAULT_TIMEOUT_S, ClientSession, Sessions, chunks
 from hisparse.client.storing import LOST_SESSION_RETRIES, store_chunk
-from hisparse.client.transport import default_socket_path
+from hisparse.client.transport import Transport, default_socket_path
 from hisparse.extras import require
 from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired
 from hisparse.layout import KVLayout, parse_size
@@ -129,6 +129,11 @@ class Client:
     def session(self) -> ClientSession:
         """The current session (replaced whole when the client re-attaches)."""
         return self._current()
+
+    @property
+    def transport(self) -> Transport:
+        """The connection every thread of this client shares (``connected``, ``silent_s()``)."""
+        return self._sessions.transport
 
     def session_is_live(self, session: ClientSession) -> bool:
         """True while ``session`` is this client's current session."""

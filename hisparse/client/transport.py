@@ -1,17 +1,29 @@
-"""The client's end of the wire: one ZeroMQ DEALER, one request at a time.
+"""The client's end of the wire: one ZeroMQ DEALER, many requests in flight.
 
-A ``Transport`` sends a request frame built by ``hisparse.protocol`` and
-waits for the reply with the same ``id``, within the call's timeout. Replies
-with another id are late answers to requests that timed out earlier; they are
-dropped. Nothing here knows about sessions: ``Client`` re-opens its session
-when a reply says ``UNKNOWN_SESSION``.
+A ``Transport`` is shared by every thread of a client. One I/O thread owns
+the DEALER (ZeroMQ sockets are not thread-safe); a caller hands it a frame
+built by ``hisparse.protocol`` (a queue and a wake-up pipe, no lock held
+across the call) and waits for the reply with its request ``id``. Replies
+come back in any order and are matched by id, so a slow request (a waited
+cluster ``prefetch``) never delays a fast one (the scheduler's ``reserve``,
+a heartbeat). A reply nobody waits for any more is dropped. Nothing here
+knows about sessions: ``Sessions`` re-opens its session when a reply says
+``UNKNOWN_SESSION``.
+
+Slow is not unreachable. A call that gets no reply within its timeout
+raises ``Timeout`` when the daemon answered anything else meanwhile (another
+call, or the ``ping`` this thread sends when a call has waited
+``PROBE_AFTER_S`` in silence), and ``DaemonUnavailable`` only when the
+daemon answered nothing at all, or the request never went out. A request
+made while no connection is up goes out as soon as one is; if nothing
+listens on the socket (no file, or a file left by a dead daemon) it fails
+at once, naming the command that starts the daemon.
 
 Reconnection is ZeroMQ's: the DEALER reconnects to the ``ipc://`` endpoint by
 itself, backing off from ``RECONNECT_IVL_MS`` to ``RECONNECT_IVL_MAX_MS``
 while the daemon is away. ``ZMQ_IMMEDIATE`` keeps requests off a connection
-that is not up, so a request made while the daemon is away waits (bounded by
-its timeout) instead of being queued for a daemon that restarts later and
-knows nothing of the session it names.
+that is not up, so they are not queued for a daemon that restarts later and
+knows nothing of the session they name.
 
 A request in flight when the daemon goes away is not waited out: a socket
 monitor reports the disconnect, and the same frame is sent again as soon as
@@ -28,27 +40,33 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from hisparse import protocol
-from hisparse.errors import DaemonUnavailable, InvalidArgument
+from hisparse.errors import DaemonUnavailable, HisparseError, InvalidArgument, PermissionDenied, Timeout
 from hisparse.paths import default_socket_path  # the one rule daemon and clients share
 from hisparse.protocol import Op
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Transport", "default_socket_path", "endpoint_for", "ping", "wait_for_daemon"]
+__all__ = ["Transport", "default_socket_path", "endpoint_for", "listener_problem", "ping",
+           "wait_for_daemon"]
 
 RECONNECT_IVL_MS = 50
 RECONNECT_IVL_MAX_MS = 500  # a restarted daemon is found within half a second
 MAX_RESENDS = 3  # a request re-sent after this many connection drops in one call gives up
+PROBE_AFTER_S = 0.05  # a call unanswered this long, with the daemon silent: ask it for a ping
+START_HINT = "start it with `hisparsed` (or `systemctl start hisparsed`)"
 _MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
+_RECV_BATCH = 256  # replies taken per wake-up before the thread looks at its queue again
 
 
 def endpoint_for(socket_path: str) -> str:
@@ -58,28 +76,76 @@ def endpoint_for(socket_path: str) -> str:
     if not socket_path:
         raise InvalidArgument("empty socket path")
     if len(os.fsencode(socket_path)) > UNIX_PATH_MAX:
-        raise InvalidArgument(
-            f"socket path is {len(socket_path)} bytes; unix sockets allow {UNIX_PATH_MAX}: {socket_path}")
+        raise InvalidArgument(f"socket path is {len(os.fsencode(socket_path))} bytes, over the "
+                              f"{UNIX_PATH_MAX} a unix socket allows: {socket_path}")
     return "ipc://" + socket_path
 
 
+def listener_problem(socket_path: str) -> HisparseError | None:
+    """Why no daemon can answer on ``socket_path`` right now, or None if one listens there."""
+    if not os.path.exists(socket_path):
+        return DaemonUnavailable(f"no hisparsed socket at {socket_path}: is the daemon running? "
+                                 f"{START_HINT}, or pass socket=/HISPARSE_SOCKET for another")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(socket_path)
+    except PermissionError:
+        return PermissionDenied(f"may not connect to {socket_path}: join the daemon's group "
+                                "(usermod -aG hisparse $USER) or run as its user")
+    except ConnectionRefusedError:
+        return DaemonUnavailable(f"nothing listens on {socket_path} (a stopped daemon leaves its "
+                                 f"socket): {START_HINT}")
+    except OSError as exc:
+        return DaemonUnavailable(f"cannot connect to {socket_path}: {exc.strerror or exc}")
+    finally:
+        probe.close()
+    return None
+
+
+class _Call:
+    """One request on its way: the caller waits on ``done`` (released by the I/O thread)."""
+
+    __slots__ = ("rid", "op", "frame", "done", "reply", "error", "sent_at", "resends", "abandoned")
+
+    def __init__(self, rid: int, op: Op, frame: bytes) -> None:
+        self.rid = rid
+        self.op = op
+        self.frame = frame
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.reply: protocol.Reply | None = None
+        self.error: HisparseError | None = None
+        self.sent_at: float | None = None  # first send, monotonic
+        self.resends = 0
+        self.abandoned = False  # the caller gave up: a late reply is dropped
+
+    def finish(self, reply: protocol.Reply | None, error: HisparseError | None = None) -> None:
+        self.reply, self.error = reply, error
+        self.done.release()
+
+
 class Transport:
-    """A DEALER connected to one daemon socket; thread-safe, one request in flight."""
+    """A DEALER connected to one daemon socket; thread-safe, many requests in flight."""
 
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
         self.endpoint = endpoint_for(socket_path)
-        self._lock = threading.Lock()
         # A random start keeps ids of two transports in one process apart in
         # the daemon's logs; uniqueness within this DEALER is all that matters.
         self._ids = itertools.count(int.from_bytes(os.urandom(3), "little") + 1)
         self._closed = False
+        self._outbox: deque[_Call] = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        self._wake_lock = threading.Lock()  # a wake-up never goes to a closed (reused) fd
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.connected = False  # a daemon completed the handshake on the current connection
+        self.heard_at = 0.0  # monotonic time of the last frame from the daemon
         self._sock = self._open_socket()
         self._monitor = self._sock.get_monitor_socket(_MONITORED)
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
-        self._up = False  # a daemon has completed the handshake on the current connection
+        self._io = threading.Thread(target=self._run, daemon=True,
+                                    name=f"hisparse-transport-{os.path.basename(socket_path)}")
+        self._io.start()
 
     def _open_socket(self) -> zmq.Socket:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -91,89 +157,203 @@ class Transport:
         sock.connect(self.endpoint)
         return sock
 
+    # -- the callers' side (any thread) --
+
     def call(self, op: Op, timeout_s: float, **fields: Any) -> dict[str, Any]:
         """Send one request and return its reply's ``ok`` body.
 
-        Raises ``DaemonUnavailable`` when no reply came within ``timeout_s``,
-        or the ``HisparseError`` that an error reply names.
+        Raises ``DaemonUnavailable`` when the request could not go out (nothing
+        listens on the socket: at once) or the daemon answered nothing at all
+        within ``timeout_s``; ``Timeout`` when it answered other requests but
+        not this one; else the ``HisparseError`` that an error reply names.
         """
-        deadline = time.monotonic() + timeout_s
-        # Another thread's request (a heartbeat to an absent daemon) may hold
-        # the socket: waiting for it counts against this call's timeout too.
-        if not self._lock.acquire(timeout=max(timeout_s, 0.0)):
-            raise DaemonUnavailable(
-                f"the daemon on {self.socket_path} did not answer in time ({op.value} not sent)")
-        try:
-            if self._closed:
-                raise DaemonUnavailable(f"transport to {self.socket_path} is closed")
-            rid = next(self._ids)
-            frame = protocol.encode_request(op, rid, **fields)
-            self._connection_dropped()  # forget drops from before this call
-            self._send(frame, op, deadline)
-            reply = self._receive(rid, op, frame, deadline)
-        finally:
-            self._lock.release()
-        return reply.result()
+        if self._closed:
+            raise DaemonUnavailable(f"transport to {self.socket_path} is closed")
+        rid = next(self._ids)
+        pending = _Call(rid, op, protocol.encode_request(op, rid, **fields))
+        self._outbox.append(pending)
+        self._wake()
+        if not pending.done.acquire(timeout=max(timeout_s, 0.0)):
+            pending.abandoned = True
+            if not pending.done.acquire(blocking=False):  # the reply did not slip in meanwhile
+                raise self._no_reply(pending, timeout_s)
+        if pending.error is not None:
+            raise pending.error
+        assert pending.reply is not None
+        return pending.reply.result()
 
-    def _send(self, frame: bytes, op: Op, deadline: float) -> None:
-        while True:
+    def _no_reply(self, pending: _Call, timeout_s: float) -> HisparseError:
+        sent_at = pending.sent_at
+        if sent_at is None:
+            return DaemonUnavailable(f"no daemon answered the connection on {self.socket_path} "
+                                     f"within {timeout_s:.3g} s ({pending.op.value} not sent)")
+        if self.heard_at > sent_at:
+            return Timeout(f"hisparsed on {self.socket_path} answers, but not {pending.op.value} "
+                           f"within {timeout_s:.3g} s")
+        return DaemonUnavailable(f"the daemon on {self.socket_path} did not answer "
+                                 f"{pending.op.value} in time (nothing heard for {timeout_s:.3g} s)")
+
+    def silent_s(self) -> float:
+        """Seconds since the daemon last answered anything on this transport."""
+        return time.monotonic() - self.heard_at
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return  # closed: close() failed the queued calls
             try:
-                self._sock.send(frame, zmq.NOBLOCK)
-                return
-            except zmq.Again:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full of wake-ups already
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wake()
+        if self._io is not threading.current_thread():
+            self._io.join(5.0)
+
+    # -- the I/O thread: the only one that touches the sockets --
+
+    def _run(self) -> None:
+        inflight: dict[int, _Call] = {}  # sent on the current connection, or waiting to be re-sent
+        unsent: list[_Call] = []  # waiting for a connection
+        lost: list[_Call] = []  # sent on a connection that dropped: re-sent on the next one
+        probe_rid: int | None = None
+        sock, monitor = self._sock, self._monitor
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._closed:
+                if unsent:
+                    poller.modify(sock, zmq.POLLIN | zmq.POLLOUT)
+                timeout_ms = int(PROBE_AFTER_S * 1000) if inflight else -1
+                ready = dict(poller.poll(timeout_ms))
+                if unsent:
+                    poller.modify(sock, zmq.POLLIN)
+                if self._wake_r in ready:
+                    self._drain_wake()
+                if monitor in ready and self._connection_dropped():
+                    lost.extend(c for c in inflight.values())
+                    inflight.clear()
+                    probe_rid = None
+                if sock in ready:
+                    probe_rid = self._receive(inflight, probe_rid)
+                now = time.monotonic()
+                if lost and self.connected:
+                    # A daemon (the restarted one) answers the connection again.
+                    for c in lost:
+                        if not c.abandoned and c.resends < MAX_RESENDS:
+                            c.resends += 1
+                            log.debug("connection to %s dropped during %s; sending it again",
+                                      self.socket_path, c.op.value)
+                            unsent.append(c)
+                    lost.clear()
+                while self._outbox:
+                    unsent.append(self._outbox.popleft())
+                if unsent:
+                    unsent = self._send(unsent, inflight, now)
+                probe_rid = self._probe_if_silent(inflight, probe_rid, now)
+        finally:
+            self._shut(list(inflight.values()) + unsent + lost)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
                 pass
-            # No connection is up (daemon away or restarting): wait for one.
-            remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not self._sock.poll(remaining_ms, zmq.POLLOUT):
-                raise DaemonUnavailable(
-                    f"no daemon is listening on {self.socket_path} ({op.value} not sent)")
+        except BlockingIOError:
+            pass
+
+    def _send(self, unsent: list[_Call], inflight: dict[int, _Call], now: float) -> list[_Call]:
+        """Send what can go out; fail at once what cannot while nothing listens."""
+        for i, c in enumerate(unsent):
+            if c.abandoned:
+                continue
+            try:
+                self._sock.send(c.frame, zmq.NOBLOCK)
+            except zmq.Again:
+                rest = [c for c in unsent[i:] if not c.abandoned]
+                problem = listener_problem(self.socket_path)
+                if problem is None:
+                    return rest  # a daemon listens: the connection comes up (or the call times out)
+                for r in rest:
+                    r.finish(None, problem)
+                return []
+            if c.sent_at is None:
+                c.sent_at = now
+            inflight[c.rid] = c
+        return []
+
+    def _receive(self, inflight: dict[int, _Call], probe_rid: int | None) -> int | None:
+        sock = self._sock
+        for _ in range(_RECV_BATCH):
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.heard_at = time.monotonic()
+            try:
+                reply = protocol.decode_reply(frame)
+            except HisparseError as exc:
+                log.warning("dropping an undecodable reply from %s: %s", self.socket_path, exc)
+                continue
+            if reply.id == probe_rid:
+                probe_rid = None
+                continue
+            c = inflight.pop(reply.id, None)  # type: ignore[arg-type]
+            if c is None or c.abandoned:
+                # The answer to a request that timed out before: nobody waits for it.
+                log.debug("dropping a stale reply %s", reply.id)
+                continue
+            c.finish(reply)
+        return probe_rid
+
+    def _probe_if_silent(self, inflight: dict[int, _Call], probe_rid: int | None,
+                         now: float) -> int | None:
+        """Ping when a call has waited in silence: its timeout then tells slow from gone."""
+        if probe_rid is not None or not inflight or not self.connected:
+            return probe_rid
+        for rid in [rid for rid, c in inflight.items() if c.abandoned]:
+            del inflight[rid]
+        oldest = min((c.sent_at or now for c in inflight.values()), default=now)
+        if now - oldest < PROBE_AFTER_S or self.heard_at > now - PROBE_AFTER_S:
+            return None
+        rid = next(self._ids)
+        try:
+            self._sock.send(protocol.encode_request(Op.PING, rid), zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        return rid
 
     def _connection_dropped(self) -> bool:
         """Apply queued connection events; True when the connection dropped since the last look."""
         dropped = False
-        # Most calls find nothing queued: ask the socket rather than catch zmq.Again.
         while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 return dropped
             if event == zmq.EVENT_DISCONNECTED:
-                dropped, self._up = True, False
+                dropped, self.connected = True, False
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._up = True
+                self.connected = True
         return dropped
 
-    def _receive(self, rid: int, op: Op, frame: bytes, deadline: float) -> protocol.Reply:
-        lost = False  # the request went to a connection that dropped: send it again
-        resends = 0
-        while True:
-            remaining_ms = (deadline - time.monotonic()) * 1000
-            ready = dict(self._poller.poll(remaining_ms)) if remaining_ms > 0 else {}
-            if not ready:
-                raise DaemonUnavailable(
-                    f"the daemon on {self.socket_path} did not answer {op.value} in time")
-            if self._monitor in ready and self._connection_dropped():
-                lost = True
-            if lost and self._up and resends < MAX_RESENDS:
-                # A daemon (the restarted one) answers the connection again.
-                log.debug("connection to %s dropped during %s; sending it again", self.socket_path,
-                          op.value)
-                self._send(frame, op, deadline)
-                lost, resends = False, resends + 1
-            if self._sock in ready:
-                reply = protocol.decode_reply(self._sock.recv())
-                if reply.id == rid:
-                    return reply
-                # The answer to a request that timed out before: nobody waits for it.
-                log.debug("dropping a stale reply %s while waiting for %s", reply.id, rid)
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._sock.disable_monitor()
-                self._monitor.close(linger=0)
-                self._sock.close(linger=0)
+    def _shut(self, calls: list[_Call]) -> None:
+        closed = DaemonUnavailable(f"transport to {self.socket_path} is closed")
+        for c in calls + list(self._outbox):
+            if not c.abandoned and c.reply is None and c.error is None:
+                c.finish(None, closed)
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
 
 
 def ping(socket_path: str, timeout_s: float = 1.0) -> dict[str, Any]:
@@ -196,7 +376,7 @@ def wait_for_daemon(socket_path: str, timeout_s: float = 30.0) -> dict[str, Any]
                 raise DaemonUnavailable(f"no daemon answered on {socket_path} within {timeout_s} s")
             try:
                 return transport.call(Op.PING, min(remaining, 0.5))
-            except DaemonUnavailable:
-                continue
+            except (DaemonUnavailable, Timeout):
+                time.sleep(min(0.02, max(deadline - time.monotonic(), 0.0)))  # nothing listens yet
     finally:
         transport.close()

@@ -88,6 +88,11 @@ class MooncakeBackend:
         self._store = store
         self.registered.clear()
 
+    def reachable(self) -> None:
+        """Raise unless the master accepts a TCP connection: refused at once while it is dead,
+        where a store call would wait out Mooncake's own retries (about 4 s)."""
+        reachable(self._args[-1])
+
     def register(self, address: int, size_bytes: int) -> None:
         """Register memory with the transfer engine once (RDMA needs it; TCP takes it as a hint)."""
         if (address, size_bytes) in self.registered:

@@ -21,9 +21,12 @@ loop (``_on_loop``), so the index stays single-threaded.
 - Promotion: reserve -> get into the reserved pages -> verify header and
   hash -> commit, or abort on any mismatch: the same fencing as a client's
   store; a refused value is removed from the cluster and counted.
-- The cluster down: calls fail fast or time out; the tier marks itself
-  down for ``DOWN_BACKOFF_S``, answers from what it knows meanwhile, keeps
-  the write-behind queue (bounded) and resumes when a put goes through.
+- The cluster down (``cluster_health``): the tier marks itself down for at
+  least as long as the failed call took, fails waited calls at once
+  meanwhile (queued ones too), answers from what it knows, keeps the
+  write-behind queue (bounded), checks that the master accepts a connection
+  before it calls it again, and resumes when a call goes through. A call
+  that failed for some keys while the master answered fails those keys only.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import numpy as np
 
 from hisparse.cluster import format as fmt
 from hisparse.daemon import cluster_drop, cluster_io
+from hisparse.daemon.cluster_health import Health
 from hisparse.daemon.cluster_io import ClusterDown, Space
 from hisparse.daemon.config import ClusterConfig
 from hisparse.daemon.namespaces import Namespace
@@ -51,7 +55,6 @@ from hisparse.shm.table import COMMITTED
 
 log = logging.getLogger(__name__)
 
-DOWN_BACKOFF_S = 0.5  # after a failed cluster call, wait this long before the next try
 KNOWN_TTL_S = 30.0  # a key seen in the cluster counts as remote this long without asking again
 MAX_KNOWN_KEYS = 1 << 18  # about 64 MiB of keys at most
 MAX_PROBE_KEYS = 4096  # keys one unwaited lookup asks the cluster about in the background
@@ -65,17 +68,14 @@ class ClusterTier:
     def __init__(self, config: ClusterConfig, backend_factory: Callable[[], Any]) -> None:
         self.config = config
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
-        self.state = "connecting"
-        self.last_error = ""
+        self.health = Health(config.timeout_s, f"{config.backend} at {config.master}")
         self._factory = backend_factory
         self._backend: Any = None
         self._spaces: dict[str, Space] = {}
         self._known: OrderedDict[tuple[str, bytes], float] = OrderedDict()
         self._cond = threading.Condition()
-        self._urgent: deque[Callable[[], None]] = deque()
+        self._urgent: deque[tuple[Callable[[], None], Callable[[], None]]] = deque()  # (job, fail)
         self._queue: deque[tuple[Space, bytes, int]] = deque()
-        self._down_until = 0.0
-        self._queue_paused_until = 0.0  # write-behind waits after a failed put
         self._forget: deque[Space] = deque()  # dropped namespaces' spaces: unmapped between jobs
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -151,7 +151,7 @@ class ClusterTier:
             self._submit(lambda: self._probe(space, rest[:MAX_PROBE_KEYS], known, None))
             return known
         fut: Future = Future()
-        self._submit(lambda: self._probe(space, rest, known, fut))
+        self._submit(lambda: self._probe(space, rest, known, fut), lambda: _resolve(fut, known))
         self._expire(fut, lambda: known)  # timed out: what is known, never an error
         return fut
 
@@ -166,8 +166,7 @@ class ClusterTier:
             return body
         if self._down(time.monotonic()):
             if wait:
-                raise WireError(ErrorCode.CLUSTER_UNAVAILABLE,
-                                f"the cluster tier is down ({self.last_error}); retry later")
+                raise self._unavailable()
             return body
         if not wait:
             body["queued"] = len(todo)
@@ -175,15 +174,26 @@ class ClusterTier:
             self._submit(lambda: self._promote(space, todo, background, None))
             return body
         fut: Future = Future()
-        self._submit(lambda: self._promote(space, todo, body, fut))
+        self._submit(lambda: self._promote(space, todo, body, fut), lambda: _fail(fut, self._unavailable()))
         self._expire(fut, None)
         return fut
+
+    @property
+    def state(self) -> str:
+        return self.health.state
+
+    @property
+    def last_error(self) -> str:
+        return self.health.last_error
+
+    def _unavailable(self) -> WireError:
+        return WireError(ErrorCode.CLUSTER_UNAVAILABLE, f"the cluster tier is down ({self.last_error}); retry later")
 
     def stats(self) -> dict[str, Any]:
         c = self.config
         out: dict[str, Any] = {"backend": c.backend, "state": self.state, "master": c.master,
                                "protocol": c.protocol, "write_policy": c.write_policy,
-                               "replicas": c.replicas, "queue_pages": c.queue_pages,
+                               "replicas": c.replicas, "queue_pages": c.queue_pages, "timeout_s": c.timeout_s,
                                "queue_depth": len(self._queue), "known_remote_keys": len(self._known),
                                "last_error": self.last_error}
         out.update(self.counters)
@@ -214,9 +224,10 @@ class ClusterTier:
                 self.counters["queued_pages"] += 1
             self._cond.notify()
 
-    def _submit(self, job: Callable[[], None]) -> None:
+    def _submit(self, job: Callable[[], None], fail: Callable[[], None] = lambda: None) -> None:
+        """``fail`` instead of ``job`` if the tier is down when the worker gets to it."""
         with self._cond:
-            self._urgent.append(job)
+            self._urgent.append((job, fail))
             self._cond.notify()
 
     def _expire(self, fut: Future, fallback: Callable[[], int] | None) -> None:
@@ -237,7 +248,7 @@ class ClusterTier:
         self._loop.call_later(self.config.timeout_s, expire)
 
     def _down(self, now: float) -> bool:
-        return self.state != "up" and now < self._down_until
+        return self.health.down(now)
 
     def _is_known(self, space: Space, key: bytes, now: float) -> bool:
         with self._cond:
@@ -319,46 +330,36 @@ class ClusterTier:
                 job: Callable[[], None] | None = None
                 while job is None and not self._stopping:
                     now = time.monotonic()
+                    health = self.health
                     if self._forget:  # first, and whether the cluster is up or not: memory back
                         job = functools.partial(cluster_drop.forget, self, self._forget.popleft())
-                    elif self._backend is None and now < self._down_until:
-                        self._cond.wait(self._down_until - now)
+                    elif self._urgent and health.down(now):
+                        self._urgent.popleft()[1]()  # fails at once: no call while it is down
+                    elif self._backend is None and now < health.down_until:
+                        self._cond.wait(health.down_until - now)
                     elif self._backend is None:
                         job = io.connect
+                    elif now >= health.recheck_due:
+                        job = io.recheck
                     elif self._urgent:
-                        job = self._urgent.popleft()
-                    elif self._queue and not self._down(now) and now >= self._queue_paused_until:
+                        job = self._urgent.popleft()[0]
+                    elif self._queue and not health.down(now) and now >= health.queue_paused_until:
                         job = io.take_batch()
                     else:
-                        resume = max(self._down_until, self._queue_paused_until) - now
+                        resume = max(health.down_until, health.queue_paused_until) - now
                         self._cond.wait(max(0.01, resume) if self._queue else 1.0)
                 if self._stopping:
                     break
+            started = time.monotonic()
             try:
                 job()
             except ClusterDown as exc:
-                self._mark_down(str(exc))
+                self.health.mark_down(str(exc), time.monotonic() - started)
             except Exception as exc:
                 self.counters["errors"] += 1
-                self._mark_down(f"{type(exc).__name__}: {exc}")
+                self.health.mark_down(f"{type(exc).__name__}: {exc}", time.monotonic() - started)
                 log.error("cluster worker: unexpected error; serving on", exc_info=True)
         io.close()
-
-    def _mark_down(self, why: str) -> None:
-        if self.state != "down":
-            log.warning("cluster tier down: %s; the local tier serves on, retrying every %.1fs",
-                        why, DOWN_BACKOFF_S)
-        self.state = "down"
-        self.last_error = why
-        self._down_until = time.monotonic() + DOWN_BACKOFF_S
-
-    def _pause_queue(self) -> None:
-        self._queue_paused_until = time.monotonic() + DOWN_BACKOFF_S
-
-    def _mark_up(self) -> None:
-        if self.state != "up":
-            log.info("cluster tier up (%s at %s)", self.config.backend, self.config.master)
-        self.state = "up"
 
     def _probe(self, space: Space, keys: tuple[bytes, ...], known: int, fut: Future | None) -> None:
         try:
@@ -384,6 +385,13 @@ class ClusterTier:
                     pass
             raise
         _resolve(fut, body)
+
+
+def _fail(fut: Future, exc: BaseException) -> None:
+    try:
+        fut.set_exception(exc)
+    except InvalidStateError:
+        pass  # already timed out
 
 
 def _resolve(fut: Future | None, value: Any) -> None:

@@ -23,6 +23,8 @@ import numpy as np
 
 from hisparse.cluster import format as fmt
 from hisparse.cluster.mooncake import ClusterUnavailableError
+from hisparse.daemon import cluster_verify as verify
+from hisparse.daemon.cluster_health import ClusterDown, master_answers
 from hisparse.daemon.namespaces import Namespace
 from hisparse.shm.region import RegionMap
 
@@ -32,13 +34,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXIST_CHUNK_KEYS = 4096
-OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode::OBJECT_NOT_FOUND
-MAX_PUT_TRIES = 60  # a page's puts before it is dropped: 30 s of DOWN_BACKOFF_S
+MAX_PUT_TRIES = 60  # a page's puts before it is dropped: 30 s of 0.5 s pauses
+WRITE_BEHIND_SHARE = 4  # write-behind holds at most 1/4 of a namespace's pages at once
 STAGE_BYTES = 128 << 20  # TCP gets land here first (see _fetch_staged); resident once used
-
-
-class ClusterDown(Exception):
-    """A cluster call failed in a way that says the cluster (not one key) is unreachable."""
 
 
 @dataclass
@@ -78,16 +76,39 @@ class Worker:
             raise ClusterDown(f"cannot connect to {tier.config.backend} at {tier.config.master}: {exc}") \
                 from None
         tier._backend = backend
-        tier._mark_up()
+        tier.health.mark_up()
+
+    def recheck(self) -> None:
+        """The down window ended: does the master accept a connection? (never a blocking call)"""
+        check = getattr(self.tier._backend, "reachable", None)
+        if check is not None:
+            try:
+                check()
+            except Exception as exc:
+                raise ClusterDown(str(exc)) from None
+        self.tier.health.rechecked()
 
     def take_batch(self) -> Callable[[], None]:
-        """Pop one write-behind batch (the caller holds the tier's lock)."""
+        """Pop one write-behind batch (the caller holds the tier's lock).
+
+        The batch's pages are held while they are put, so it takes at most a
+        share of each namespace: a small one keeps room for its engines' stores.
+        """
         tier = self.tier
-        batch = []
-        while tier._queue and len(batch) < tier.config.batch_pages:
-            space, key, page = tier._queue.popleft()
-            space.queued.discard(key)
-            batch.append((space, key, page))
+        batch, skipped = [], []
+        taken: dict[int, int] = {}
+        for _ in range(min(len(tier._queue), 2 * tier.config.batch_pages)):
+            if len(batch) == tier.config.batch_pages:
+                break
+            entry = tier._queue.popleft()
+            space = entry[0]
+            if taken.get(id(space), 0) >= max(1, space.ns.index.num_pages // WRITE_BEHIND_SHARE):
+                skipped.append(entry)  # its next batch takes it
+                continue
+            taken[id(space)] = taken.get(id(space), 0) + 1
+            space.queued.discard(entry[1])
+            batch.append(entry)
+        tier._queue.extendleft(reversed(skipped))
         return lambda: self.put(batch)
 
     def put(self, batch: list[tuple[Space, bytes, int]]) -> None:
@@ -125,15 +146,20 @@ class Worker:
             tier._loop.call_soon_threadsafe(tier._release, held)
         stored = [h for h, code in zip(held, codes) if code == 0]
         failed = [h for h, code in zip(held, codes) if code != 0] + held[len(codes):]
+        answers = master_answers(tier._backend, [fmt.cluster_key(h[0].fp, h[1]) for h in failed]) \
+            if failed else []
+        if answers:  # the master answers: those keys failed, not the tier; some are there already
+            stored += [h for h, there in zip(failed, answers) if there == 1]
+            failed = [h for h, there in zip(failed, answers) if there != 1]
         if failed:
             # Retried after a pause: a peer whose segment died stays in the master's
             # placement until its lease runs out, and a restarted master has no segments yet.
             _requeue(tier, failed)
-            tier._pause_queue()
-        if held and not stored:
+            tier.health.pause_queue()
+        if held and not stored and answers is None:
             raise ClusterDown(f"put of {len(held)} pages failed (Mooncake code {codes[0] if codes else '?'})")
         if held:
-            tier._mark_up()
+            tier.health.mark_up()
         tier.counters["put_pages"] += len(stored)
         tier.counters["put_bytes"] += sum(h[0].ns.layout.page_bytes for h in stored)
         by_space: dict[int, tuple[Space, list[bytes]]] = {}
@@ -156,14 +182,13 @@ def exist(tier: ClusterTier, space: Space, keys: list[bytes], *, prefix: bool = 
     for start in range(0, len(keys), EXIST_CHUNK_KEYS):
         chunk = keys[start:start + EXIST_CHUNK_KEYS]
         codes = backend.exist([fmt.cluster_key(space.fp, k) for k in chunk])
-        bad = [c for c in codes if c < 0]
-        if bad:
-            raise ClusterDown(f"batch_is_exist returned {bad[0]}")
+        if codes and all(c < 0 for c in codes):
+            raise ClusterDown(f"batch_is_exist returned {codes[0]}")  # else: those keys' failure
         out.extend(c == 1 for c in codes)
         if prefix and not all(out):
             break
     tier._learn(space, [k for k, held in zip(keys, out) if held])
-    tier._mark_up()
+    tier.health.mark_up()
     return out
 
 
@@ -244,21 +269,21 @@ def _fetch_staged(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]]
     per = fmt.HEADER_BYTES + page_bytes
     good: list[tuple[bytes, int]] = []
     try:
-        verdicts = _verdicts(tier, space, mine, got)
+        verdicts = verify.verdicts(tier, space, mine, got)
         pages = space.region.pages_view()
         layers = space.ns.layout.num_layers
         for i, (key, page) in enumerate(mine):
             if verdicts[i] != "size":
                 continue
             value = stage[i * per:(i + 1) * per]
-            if _verified(tier, space, key, value[:fmt.HEADER_BYTES].tobytes(),
+            if verify.verified(tier, space, key, value[:fmt.HEADER_BYTES].tobytes(),
                          [value[fmt.HEADER_BYTES:]], body):
                 pages[:, page, :] = value[fmt.HEADER_BYTES:].reshape(layers, -1)
                 good.append((key, page))
-        _count_failed(tier, space, mine, got, verdicts, body)
+        verify.count_failed(tier, space, mine, got, verdicts, body)
     finally:
         tier._on_loop(tier._settle, space, good, [pair for pair in mine if pair not in good], undo=True)
-    _count_promoted(tier, body, len(good), page_bytes)
+    verify.count_promoted(tier, body, len(good), page_bytes)
 
 
 def _fetch_direct(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]],
@@ -276,79 +301,17 @@ def _fetch_direct(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]]
         started = time.perf_counter()
         got = _backend(tier).get([fmt.cluster_key(space.fp, k) for k, _ in mine], ptrs, sizes)
         tier.counters["get_s"] += time.perf_counter() - started
-        verdicts = _verdicts(tier, space, mine, got)
+        verdicts = verify.verdicts(tier, space, mine, got)
         for i, (key, page) in enumerate(mine):
             if verdicts[i] != "size":
                 continue
             header = bytes(tier._headers[i * fmt.HEADER_BYTES:(i + 1) * fmt.HEADER_BYTES])
-            if _verified(tier, space, key, header, space.views(page), body):
+            if verify.verified(tier, space, key, header, space.views(page), body):
                 good.append((key, page))
-        _count_failed(tier, space, mine, got, verdicts, body)
+        verify.count_failed(tier, space, mine, got, verdicts, body)
     finally:
         tier._on_loop(tier._settle, space, good, [pair for pair in mine if pair not in good], undo=True)
-    _count_promoted(tier, body, len(good), page_bytes)
-
-
-def _verified(tier: ClusterTier, space: Space, key: bytes, header: bytes, parts: list[Any],
-              body: dict[str, int]) -> bool:
-    """A fetched value's header and content hash match ``key``; a bad one is refused, never committed."""
-    started = time.perf_counter()
-    why = fmt.verify(header, space.fp, space.ns.layout.page_bytes, fmt.content_hash(key, parts))
-    tier.counters["hash_s"] += time.perf_counter() - started
-    if why is not None:
-        _refuse(tier, space, key, why, body)
-    return why is None
-
-
-def _verdicts(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]],
-              got: list[int]) -> list[str]:
-    """Per key: "size" (a whole value: check it), "missing", "failed", or "refused" (wrong size)."""
-    expected = fmt.HEADER_BYTES + space.ns.layout.page_bytes
-    out = []
-    for (key, _page), size in zip(mine, got):
-        if size == expected:
-            out.append("size")
-        elif size == OBJECT_NOT_FOUND:
-            out.append("missing")
-        else:
-            if size < 0:
-                # Mooncake refuses a value that does not fill the buffers exactly: ask its size
-                # to tell a foreign value (refused) from a failed transfer (tried again later).
-                size = _backend(tier).size(fmt.cluster_key(space.fp, key))
-                if size < 0 or size == expected:
-                    out.append("failed")
-                    continue
-            out.append("refused")
-            _refuse(tier, space, key, f"value of {size} bytes, expected {expected}", None)
-    return out
-
-
-def _refuse(tier: ClusterTier, space: Space, key: bytes, why: str, body: dict[str, int] | None) -> None:
-    """A value that is not this page: counted, logged, dropped from the cluster, never committed."""
-    if body is not None:
-        body["refused"] += 1
-    tier.counters["refused_pages"] += 1
-    log.warning("refused a cluster value for %r key %s...: %s", space.ns.name, key[:4].hex(), why)
-    _backend(tier).remove([fmt.cluster_key(space.fp, key)])
-
-
-def _count_failed(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], got: list[int],
-                  verdicts: list[str], body: dict[str, int]) -> None:
-    body["refused"] += verdicts.count("refused")
-    body["missing"] += verdicts.count("missing")
-    body["missing_keys"].extend(k for (k, _p), v in zip(mine, verdicts) if v == "missing")
-    failed = verdicts.count("failed")
-    if failed:
-        log.warning("cluster get of %d pages of %r failed (Mooncake code %d)", failed, space.ns.name,
-                    next(g for g, v in zip(got, verdicts) if v == "failed"))
-    if failed == len(mine):
-        raise ClusterDown(f"get of {len(mine)} pages failed")
-
-
-def _count_promoted(tier: ClusterTier, body: dict[str, int], pages: int, page_bytes: int) -> None:
-    body["promoted"] += pages
-    tier.counters["promoted_pages"] += pages
-    tier.counters["promoted_bytes"] += pages * page_bytes
+    verify.count_promoted(tier, body, len(good), page_bytes)
 
 
 def _stage(tier: ClusterTier) -> np.ndarray:

@@ -50,6 +50,7 @@ class ClusterPromotions:
         self._client = client
         self._clock = clock
         self._enabled: bool | None = None  # learned from the daemon's stats, off this thread
+        self._wait_s = float(getattr(client, "timeout_s", 1.0))  # + the daemon's cluster.timeout
         self._lock = threading.Lock()  # the scheduler thread and the sender share the maps
         self._queued: list[bytes] = []
         self._pending: dict[bytes, float] = {}  # key -> when its promotion counts as failed
@@ -138,7 +139,10 @@ class ClusterPromotions:
         """Does the daemon have a cluster tier? Asked once, off the scheduler's thread."""
         try:
             stats = self._client.stats()
-            self._enabled = stats["daemon"].get("cluster", {}).get("backend", "none") != "none"
+            tier = stats["daemon"].get("cluster", {})
+            # a waited prefetch is answered within the daemon's cluster.timeout: wait that long
+            self._wait_s = float(getattr(self._client, "timeout_s", 1.0)) + float(tier.get("timeout_s", 0))
+            self._enabled = tier.get("backend", "none") != "none"
         except (HisparseError, KeyError) as exc:
             log.debug("cannot tell whether hisparsed has a cluster tier yet: %s", exc)
         finally:
@@ -147,7 +151,7 @@ class ClusterPromotions:
 
     def _send(self, keys: list[bytes]) -> None:
         try:
-            body, _ = self._client.request(Op.PREFETCH, keys=keys, wait=True)
+            body, _ = self._client.request(Op.PREFETCH, timeout_s=self._wait_s, keys=keys, wait=True)
             absent = list(body.get("missing_keys", ()))
             self.requested_keys += len(keys)
         except HisparseError as exc:

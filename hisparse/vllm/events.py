@@ -44,6 +44,11 @@ class TierEvents:
             self._events.append(OffloadingEvent(keys=[OffloadKey(k) for k in keys], medium=self.medium,
                                                 removed=True, metadata_only=True))
 
+    @property
+    def pending(self) -> bool:
+        """Events recorded and not taken yet."""
+        return bool(self._events)
+
     def take(self) -> list[OffloadingEvent]:
         events, self._events = self._events, []
         return events

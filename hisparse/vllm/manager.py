@@ -52,7 +52,7 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 
-from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired
+from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired, Timeout
 from hisparse.protocol import SLOT_BUSY
 from hisparse.vllm.cluster import ClusterPromotions
 from hisparse.vllm.config import AdapterConfig, check_key
@@ -114,7 +114,7 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._syncer = Syncer(ops, self._mirror, self._holds, self._lock,
                               interval_s=config.mirror_refresh_s, hold_s=config.hold_s,
                               on_changes=self._on_changes, on_published=self._on_published,
-                              on_lost=self._on_lost, clock=clock)
+                              on_lost=self._on_lost, silence_s=config.timeout_s, clock=clock)
         # The first round at start: a full scan, and the daemon starts recording events for us.
         self._syncer.round()
         self._syncer.start()
@@ -160,7 +160,10 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._cluster.flush()  # hands this step's cluster promotions to their sender thread
 
     def has_pending_work(self) -> bool:
-        return self._cluster.waiting()  # the engine keeps stepping while a promotion may land
+        # The engine keeps stepping while a promotion may land, and until the events of
+        # background commits are taken: vLLM's CPU tier publishes a store's in its step.
+        return self._cluster.waiting() or self._events.pending or \
+            (self._syncer.up and len(self._writing) > 0)
 
     # -- loads --
 
@@ -241,9 +244,9 @@ class HiSparseOffloadingManager(OffloadingManager):
             self._syncer.unreachable("reserve", exc)  # the background thread re-attaches
             self._counts["ALLOCATION_FAILURES"] += 1
             return None
-        except DaemonUnavailable as exc:
+        except (DaemonUnavailable, Timeout) as exc:
             # The daemon may still act on it: ops.reserve gives back what this call reserved.
-            self._syncer.unreachable("reserve", exc)
+            self._syncer.unanswered("reserve", exc)  # slow is not down
             self._counts["ALLOCATION_FAILURES"] += 1
             return None
         except HisparseError as exc:

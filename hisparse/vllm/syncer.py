@@ -12,8 +12,11 @@ manager's lock. Each round (every ``interval_s``, or at once when woken):
 5. queued jobs run in order: commits of finished stores (then published
    under the lock), aborts, unpins.
 
-``up`` is False from the first request that got no answer (from this
-thread or the scheduler's) until a round succeeds again; while it is False
+``up`` is False from the first request the daemon did not answer at all
+(from this thread or the scheduler's) until a round succeeds again: a
+request that is only slow (``Timeout``, or the scheduler's short deadline
+passing while the daemon answers other requests) leaves it up, and the next
+round, with its full timeout, tells slow from gone. While it is False
 the manager answers MISS and skips stores without asking anyone. A failed
 job stays queued for the next round. A job whose session is gone is dropped:
 the daemon released it with the session.
@@ -29,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hisparse.errors import DaemonUnavailable, HisparseError, InvalidArgument, LeaseExpired
+from hisparse.errors import DaemonUnavailable, HisparseError, InvalidArgument, LeaseExpired, Timeout
 from hisparse.vllm.holds import Holds, Release
 from hisparse.vllm.mirror import Change, KeyMirror
 from hisparse.vllm.rpc import NamespaceOps, Session
@@ -56,7 +59,7 @@ class Syncer:
                  interval_s: float, hold_s: float,
                  on_changes: Callable[[list[Change]], None],
                  on_published: Callable[[list[bytes], Any], None],
-                 on_lost: Callable[[list[bytes]], None],
+                 on_lost: Callable[[list[bytes]], None], silence_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._ops = ops
         self._mirror = mirror
@@ -67,6 +70,7 @@ class Syncer:
         self._on_changes = on_changes
         self._on_published = on_published
         self._on_lost = on_lost
+        self._silence_s = silence_s  # a daemon heard from within this is slow, not gone
         self._clock = clock
         self._jobs: deque[Job] = deque()
         self._wake = threading.Event()
@@ -105,6 +109,15 @@ class Syncer:
         self.up = False
         self._wake.set()
 
+    def unanswered(self, what: str, exc: HisparseError) -> None:
+        """A request's deadline passed: unreachable only if the daemon answers nothing at all."""
+        transport = self._ops.client.transport
+        if isinstance(exc, Timeout) or (transport.connected and transport.silent_s() < self._silence_s):
+            log.debug("hisparsed %s was slow (%s); it answers, offloading goes on", what, exc)
+            self._wake.set()  # the next round (its full timeout) tells slow from gone
+            return
+        self.unreachable(what, exc)
+
     @property
     def pending_jobs(self) -> int:
         return len(self._jobs)
@@ -129,6 +142,9 @@ class Syncer:
                 return
             try:
                 self.round()
+            except Timeout as exc:  # the daemon answers, just not this in time: not down
+                log.info("hisparsed sync round was slow (%s); next round", exc)
+                self._stop.wait(self._interval_s)
             except HisparseError as exc:
                 if self._stop.is_set():
                     return  # the client closed under a round: shutting down

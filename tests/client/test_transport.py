@@ -16,6 +16,7 @@ from hisparse.client import transport
 from hisparse.paths import SYSTEM_SOCKET, embedded_socket_path
 from hisparse.protocol import Op
 from tests.client.engine import chain, pages_for
+from tests.waiting import wait_for
 
 LAYOUT = hisparse.KVLayout(num_layers=2, block_tokens=8, row_bytes=32)
 
@@ -45,6 +46,31 @@ def test_no_daemon_is_unavailable_within_the_timeout(tmp_path):
     with pytest.raises(hisparse.DaemonUnavailable):
         client.attach("ns", LAYOUT, socket=sock, timeout_s=0.3)
     assert time.monotonic() - started < 0.3 * 10  # bounded by the timeout, not a hang
+
+
+def test_attach_to_a_missing_socket_fails_at_once_naming_the_command(tmp_path):
+    # issue 22.1: not after the whole 5 s timeout, and with the next step to take
+    sock = str(tmp_path / "nobody.sock")
+    started = time.monotonic()
+    with pytest.raises(hisparse.DaemonUnavailable) as info:
+        client.attach("ns", LAYOUT, socket=sock)  # the default timeout, 5 s
+    assert time.monotonic() - started < 2.5  # milliseconds expected; the old client took 5 s
+    assert sock in str(info.value) and "systemctl start hisparsed" in str(info.value)
+
+
+def test_calls_during_an_outage_fail_fast_and_work_again_after_it(daemon_factory):
+    d = daemon_factory(capacity="64MiB", lease_ttl=5)
+    keys = chain("outage", 2)
+    with client.attach("outage", LAYOUT, socket=d.socket, capacity="1MiB", timeout_s=5.0) as cl:
+        cl.store(keys, pages_for(keys, LAYOUT.page_bytes))
+        d.kill()  # SIGKILL leaves its socket file behind, with nothing listening on it
+        wait_for(lambda: not cl.transport.connected, "the client to see the connection drop")
+        started = time.monotonic()
+        with pytest.raises(hisparse.DaemonUnavailable, match="hisparsed"):
+            cl.lookup(keys)
+        assert time.monotonic() - started < 2.5  # not the 5 s timeout
+        d.start()
+        assert cl.lookup(keys) == 2  # the restarted daemon adopted the pages
 
 
 def test_a_stopped_daemon_times_out_and_its_late_replies_are_dropped(hisparsed):

@@ -43,3 +43,48 @@ def test_a_decode_engine_on_b_skips_the_prefix_a_prefill_engine_computed_on_a(no
     finally:
         producer.shutdown()
         consumer.shutdown()
+
+
+def test_a_long_promotion_delays_none_of_the_schedulers_calls(nodes, master):
+    # issue 21: the promotion's waited prefetch and the scheduler's reserve share the engine's
+    # client; a stopped master holds the prefetch for the whole 5 s cluster.timeout
+    import signal
+    import time
+
+    (b,) = nodes(1)
+    engine = harness.VllmEngine(b.socket, engine_id="decode-b", deadline_s=0.02, timeout_s=1.0)
+    manager = engine.manager
+    stores: list[object] = []
+    prepare_store = manager.prepare_store
+
+    def recording(keys, req_context):  # the scheduler's own calls, as vLLM makes them
+        out = prepare_store(keys, req_context)
+        stores.append(out)
+        return out
+
+    manager.prepare_store = recording
+    try:
+        base = harness.prompt(2, 64)
+        engine.add("x", base)
+        engine.run(["x"])
+        engine.drain()
+        wait_for("the cluster probe", lambda: manager._cluster._enabled)
+        master.proc.send_signal(signal.SIGSTOP)
+        try:
+            engine.add("d", harness.prompt(3, 64))  # no node has it: its promotion now hangs
+            engine.step()  # its lookups RETRY; the step's end sends the prefetch
+            wait_for("the promotion in flight", lambda: manager._cluster.waiting())
+            stores.clear()
+            started = time.monotonic()
+            engine.add("y", base + harness.prompt(4, 40)[:40])  # x's four blocks, then new ones
+            engine.run(["y"])
+            assert time.monotonic() - started < 4.0  # all of it while the prefetch hung
+            assert manager._cluster.waiting() or manager.stats_snapshot()["daemon_up"]
+        finally:
+            master.proc.send_signal(signal.SIGCONT)
+        assert stores and None not in stores  # no prepare_store failed
+        assert manager.stats_snapshot()["daemon_up"]
+        assert engine.computed["y"] <= 40 + harness.BLOCK_SIZE  # x's blocks were held and loaded
+        assert engine.mismatches == []
+    finally:
+        engine.shutdown()

@@ -135,6 +135,22 @@ def test_own_evictions_are_reported_as_kv_events(vllm_engines):
     assert sum(len(e.block_hashes) for e in removed) == 2
 
 
+def test_an_idle_engine_publishes_the_events_of_its_background_commits(vllm_engines):
+    # issue 21: an engine steps only while its scheduler has_requests() (vLLM's engine core);
+    # the commits run on the manager's thread after the last request finished
+    engine = vllm_engines(events=True)
+    engine.add("a", prompt(21, 64))  # four full blocks to offload
+    engine.run(["a"])
+    deadline = time.monotonic() + 30.0
+    while engine.scheduler.has_requests():
+        assert time.monotonic() < deadline, "the engine never went idle"
+        engine.step()
+        time.sleep(0.001)
+    stored = [e for e in engine.kv_events if type(e).__name__ == "BlockStored" and e.medium == "CPU"]
+    assert sum(len(e.block_hashes) for e in stored) == 4  # published before the engine idled
+    assert snapshot(engine)["committed_keys"] == 4
+
+
 def test_an_outage_mid_run_neither_fails_nor_stalls_requests(vllm_engines):
     # issue 10, item 4: SIGSTOP, then SIGKILL and restart, while requests keep coming
     engine = vllm_engines(num_blocks=64, deadline_s=0.05, timeout_s=0.5)
