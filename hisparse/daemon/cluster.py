@@ -32,6 +32,7 @@ loop (``_on_loop``), so the index stays single-threaded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -145,7 +146,7 @@ class ClusterTier:
             known += 1
         self.counters["remote_lookups"] += 1
         rest = keys[known:]
-        if not rest or self._down(now):
+        if not rest or self.health.down(now):
             return known
         if not wait:
             self._submit(lambda: self._probe(space, rest[:MAX_PROBE_KEYS], known, None))
@@ -164,7 +165,7 @@ class ClusterTier:
                                 "missing": 0, "refused": 0, "busy": 0, "missing_keys": []}
         if not todo:
             return body
-        if self._down(time.monotonic()):
+        if self.health.down(time.monotonic()):
             if wait:
                 raise self._unavailable()
             return body
@@ -182,12 +183,8 @@ class ClusterTier:
     def state(self) -> str:
         return self.health.state
 
-    @property
-    def last_error(self) -> str:
-        return self.health.last_error
-
     def _unavailable(self) -> WireError:
-        return WireError(ErrorCode.CLUSTER_UNAVAILABLE, f"the cluster tier is down ({self.last_error}); retry later")
+        return WireError(ErrorCode.CLUSTER_UNAVAILABLE, f"the cluster tier is down ({self.health.last_error}); retry later")
 
     def stats(self) -> dict[str, Any]:
         c = self.config
@@ -195,7 +192,7 @@ class ClusterTier:
                                "protocol": c.protocol, "write_policy": c.write_policy,
                                "replicas": c.replicas, "queue_pages": c.queue_pages, "timeout_s": c.timeout_s,
                                "queue_depth": len(self._queue), "known_remote_keys": len(self._known),
-                               "last_error": self.last_error}
+                               "last_error": self.health.last_error}
         out.update(self.counters)
         return out
 
@@ -246,9 +243,6 @@ class ClusterTier:
                 pass
         assert self._loop is not None
         self._loop.call_later(self.config.timeout_s, expire)
-
-    def _down(self, now: float) -> bool:
-        return self.health.down(now)
 
     def _is_known(self, space: Space, key: bytes, now: float) -> bool:
         with self._cond:
@@ -388,18 +382,14 @@ class ClusterTier:
 
 
 def _fail(fut: Future, exc: BaseException) -> None:
-    try:
+    with contextlib.suppress(InvalidStateError):  # already timed out
         fut.set_exception(exc)
-    except InvalidStateError:
-        pass  # already timed out
 
 
 def _resolve(fut: Future | None, value: Any) -> None:
     if fut is not None:
-        try:
+        with contextlib.suppress(InvalidStateError):  # already timed out
             fut.set_result(value)
-        except InvalidStateError:
-            pass  # already timed out
 
 
 def _is_committed(index: Any, key: bytes) -> bool:

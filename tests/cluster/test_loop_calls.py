@@ -86,7 +86,7 @@ def test_a_reserve_the_worker_gave_up_on_never_runs_late(tier_on, planter):
         after = {"writing": sum(1 for s in ns.index.state if s == WRITING),
                  "held": dict(tier._spaces["m"].held)}
         # the tier comes back and promotes the same keys: none is BUSY
-        await until(lambda: not tier._down(time.monotonic()), "the back-off over")
+        await until(lambda: not tier.health.down(time.monotonic()), "the back-off over")
         after["promoted"] = await asyncio.wrap_future(tier.prefetch(ns, tuple(keys), wait=True))
         return after
 
