@@ -171,12 +171,8 @@ class FenceFile:
         go at once, so a client that locks late (between hello and its first
         reserve) is not locked out.
         """
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False
-            raise
+        if not self.take_if_free():
+            return False
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         return True
 
