@@ -88,7 +88,7 @@ def test_writer_killed_mid_store_leaves_only_exact_pages(daemon_factory):
 
 
 def test_eviction_never_touches_a_pinned_page(daemon_factory, tmp_path):
-    d = daemon_factory(capacity="64MiB", lease_ttl=2)
+    d = daemon_factory(capacity="64MiB", lease_ttl=2, extra=QUOTAS_OFF)  # the churners are this uid
     with client.attach("churn", SMALL, socket=d.socket, capacity=40 * SMALL.page_bytes) as cl:
         keys = chain("pinned", 8)
         expected = pages_for(keys, SMALL.page_bytes)
