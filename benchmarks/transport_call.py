@@ -3,7 +3,8 @@
 One caller, then ``--threads`` callers sharing the transport; alternating
 turns with the bare DEALER (one caller) so both see the same machine noise.
 The difference of the single-caller p50s is what the client's transport
-adds to each call.
+adds to each call; the client process's CPU time per call (all its
+threads) is its cost with less of the machine's noise in it.
 
     python benchmarks/transport_call.py [--calls N] [--threads 8]
 """
@@ -71,18 +72,24 @@ def main(argv: list[str] | None = None) -> int:
         single: list[float] = []
         many: list[float] = []
         busy = 0.0
+        cpu = [0.0, 0.0, 0.0]
         while len(single) < args.calls:
-            bare += bare_pings(sock, 200)
-            single += transport_pings(transport, 200)
+            for i, run in enumerate((lambda: bare_pings(sock, 200), lambda: transport_pings(transport, 200))):
+                c0 = time.process_time()
+                (bare if i == 0 else single).extend(run())
+                cpu[i] += time.process_time() - c0
+            c0 = time.process_time()
             got, spent = threaded(transport, 400, args.threads)
+            cpu[2] += time.process_time() - c0
             many += got
             busy += spent
         transport.close()
         sock.close(linger=0)
     print(f"ping, {args.calls} calls each; load average {os.getloadavg()[0]:.1f}")
-    for name, s in (("bare DEALER", bare), ("Transport, 1 thread", single),
-                    (f"Transport, {args.threads} threads", many)):
-        print(f"{name:24} p50 {percentile(s, 50) * 1e6:7.1f} us  p99 {percentile(s, 99) * 1e6:7.1f} us")
+    for i, (name, s) in enumerate((("bare DEALER", bare), ("Transport, 1 thread", single),
+                                   (f"Transport, {args.threads} threads", many))):
+        print(f"{name:24} p50 {percentile(s, 50) * 1e6:7.1f} us  p99 {percentile(s, 99) * 1e6:7.1f} us"
+              f"  client CPU {cpu[i] / len(s) * 1e6:6.1f} us/call")
     print(f"Transport adds {(percentile(single, 50) - percentile(bare, 50)) * 1e6:.1f} us at p50; "
           f"{args.threads} threads: {len(many) / busy:.0f} calls/s")
     return 0
