@@ -2,8 +2,9 @@
 
 A ``Transport`` is shared by every thread of a client. One I/O thread owns
 the DEALER (ZeroMQ sockets are not thread-safe); a caller hands it a frame
-built by ``hisparse.protocol`` (a queue and a wake-up pipe, no lock held
-across the call) and waits for the reply with its request ``id``. Replies
+built by ``hisparse.protocol`` (a queue, and a wake-up pipe only while that
+thread sleeps; no lock held across the call) and waits for the reply with
+its request ``id``. Replies
 come back in any order and are matched by id, so a slow request (a waited
 cluster ``prefetch``) never delays a fast one (the scheduler's ``reserve``,
 a heartbeat). A reply nobody waits for any more is dropped. Nothing here
