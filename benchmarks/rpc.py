@@ -11,7 +11,15 @@ With ``--inflight 1,8,64`` each turn keeps that many requests in flight on
 one connection (a client whose threads share one transport): the latency
 of each request and the requests per second (saturation) of each server.
 
-    python benchmarks/rpc.py [--requests N] [--inflight 1,8,64]
+``--client raw`` (the default) drives both servers with a bare DEALER, so
+the ratio is the daemon's cost alone. ``--client transport`` drives both
+through the real ``hisparse.client.transport.Transport``, ``depth`` caller
+threads sharing it, and the echo answers each request with a reply of the
+same shape as the daemon's (it reads the id to do so): the client's own
+cost is then in both columns, and its absolute latency is what a caller of
+``Client`` sees.
+
+    python benchmarks/rpc.py [--requests N] [--inflight 1,8,64] [--client raw|transport]
     # targets: p50 ratio <= 1.3, saturation ratio >= 0.8
 """
 
@@ -22,6 +30,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 
@@ -31,13 +40,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import percentile, running_daemon  # noqa: E402
 from hisparse import KVLayout, protocol  # noqa: E402
 from hisparse.client.fence import Fence  # noqa: E402
+from hisparse.client.transport import Transport  # noqa: E402
 from hisparse.protocol import Op  # noqa: E402
 from hisparse.shm.fence import fence_dir_for  # noqa: E402
 
 KEYS = 64
 
 
-def echo_server(endpoint: str, ready) -> None:
+def echo_server(endpoint: str, ready, answer: bool = False) -> None:
+    """Send each frame straight back; with ``answer``, an ok reply with the request's id."""
+    import msgpack
     sock = zmq.Context().socket(zmq.ROUTER)
     sock.bind(endpoint)
     ready.set()
@@ -45,8 +57,50 @@ def echo_server(endpoint: str, ready) -> None:
         frames = sock.recv_multipart()
         if frames[1] == b"stop":
             break
+        if answer:
+            frames[1] = protocol.encode_ok(msgpack.unpackb(frames[1])["id"], {"count": KEYS})
         sock.send_multipart(frames)
     sock.close(linger=0)
+
+
+class Callers:
+    """``depth`` threads sharing one ``Transport``, each making lookups in turn."""
+
+    def __init__(self, transport: Transport, session: str, keys: list[bytes], depth: int) -> None:
+        self.transport, self.session, self.keys, self.depth = transport, session, keys, depth
+        self.start, self.end = threading.Barrier(depth + 1), threading.Barrier(depth + 1)
+        self.per_thread = 0
+        self.samples: list[list[float]] = [[] for _ in range(depth)]
+        self.threads = [threading.Thread(target=self._work, args=(i,), daemon=True)
+                        for i in range(depth)]
+        for t in self.threads:
+            t.start()
+
+    def _work(self, i: int) -> None:
+        clock, call, out = time.perf_counter, self.transport.call, self.samples[i]
+        while True:
+            self.start.wait()
+            if self.per_thread < 0:
+                return
+            for _ in range(self.per_thread):
+                t0 = clock()
+                call(Op.LOOKUP, 10.0, session=self.session, keys=self.keys)
+                out.append(clock() - t0)
+            self.end.wait()
+
+    def turn(self, n: int) -> tuple[list[float], float]:
+        for s in self.samples:
+            s.clear()
+        self.per_thread = max(1, n // self.depth)
+        started = time.perf_counter()
+        self.start.wait()
+        self.end.wait()
+        spent = time.perf_counter() - started
+        return [x for s in self.samples for x in s], spent
+
+    def stop(self) -> None:
+        self.per_thread = -1
+        self.start.wait()
 
 
 def round_trips(sock: zmq.Socket, frame: bytes, n: int) -> list[float]:
@@ -91,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=20_000, help="round trips to each server")
     ap.add_argument("--batch", type=int, default=100, help="round trips per turn; turns alternate")
     ap.add_argument("--inflight", default="1", help="requests in flight per client, comma-separated")
+    ap.add_argument("--client", choices=("raw", "transport"), default="raw",
+                    help="a bare DEALER, or the client's Transport with one thread per request")
     args = ap.parse_args(argv)
     ctx = zmq.Context.instance()
     keys = [os.urandom(36) for _ in range(KEYS)]
@@ -98,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = "ipc://" + os.path.join(tempfile.mkdtemp(), "echo.sock")
     spawn = mp.get_context("spawn")
     ready = spawn.Event()
-    echo_proc = spawn.Process(target=echo_server, args=(endpoint, ready))
+    echo_proc = spawn.Process(target=echo_server, args=(endpoint, ready, args.client == "transport"))
     echo_proc.start()
     ready.wait(30)
     with running_daemon("512MiB") as path:
@@ -116,8 +172,21 @@ def main(argv: list[str] | None = None) -> int:
         assert protocol.decode_reply(ours_sock.recv()).result() == {"count": KEYS}
         echo_sock = ctx.socket(zmq.DEALER)
         echo_sock.connect(endpoint)
-        for sock in (ours_sock, echo_sock):
-            round_trips(sock, frame, 1000)  # warm up
+        if args.client == "raw":
+            for sock in (ours_sock, echo_sock):
+                round_trips(sock, frame, 1000)  # warm up
+        else:  # the same session, named by a Transport's connection: a fresh hello there
+            ours_sock.close(linger=0)
+            fence.retire()
+            transports = (Transport(path), Transport(endpoint[len("ipc://"):]))
+            hello = transports[0].call(Op.HELLO, 10.0, namespace="bench/rpc", layout=layout,
+                                       capacity_bytes=256 << 20, client="benchmarks/rpc")
+            session = hello["session"]
+            fence = Fence(os.path.join(fence_dir_for(path), hello["fence"]))
+            assert transports[0].call(Op.LOOKUP, 10.0, session=session, keys=keys) == {"count": KEYS}
+            for t in transports:
+                for _ in range(1000):
+                    t.call(Op.LOOKUP, 10.0, session=session, keys=keys)  # warm up
         # Short alternating turns: both see the same noise of this shared machine.
         runs = {}
         for depth in [int(d) for d in args.inflight.split(",")]:
@@ -125,20 +194,33 @@ def main(argv: list[str] | None = None) -> int:
             bare: list[float] = []
             busy = [0.0, 0.0]
             turn = max(args.batch, 4 * depth)
+            if args.client == "raw":
+                drivers = [lambda n, s=s: pipelined(s, frame, n, depth) for s in (ours_sock, echo_sock)]
+            else:
+                callers = [Callers(t, session, keys, depth) for t in transports]
+                drivers = [c.turn for c in callers]
             while len(ours) < args.requests:
-                for i, (sock, out) in enumerate(((ours_sock, ours), (echo_sock, bare))):
-                    got, spent = pipelined(sock, frame, turn, depth)
+                for i, out in enumerate((ours, bare)):
+                    got, spent = drivers[i](turn)
                     out += got
                     busy[i] += spent
+            if args.client == "transport":
+                for c in callers:
+                    c.stop()
             runs[depth] = (ours, bare, len(ours) / busy[0], len(bare) / busy[1])
-        ours_sock.close(linger=0)
+        if args.client == "raw":
+            ours_sock.close(linger=0)
+        else:
+            for t in transports:
+                t.close()
         fence.retire()
     echo_sock.send(b"stop")
     echo_proc.join(10)
     echo_sock.close(linger=0)
 
     print(f"64-key lookup, {len(frame)} B frame, {args.requests} requests each per depth in "
-          f"alternating turns, one connection, ipc:// socket; load average {os.getloadavg()[0]:.1f}")
+          f"alternating turns, one connection, ipc:// socket, {args.client} client; "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'in flight':>9} {'':18}{'p50 us':>9}{'p99 us':>10}{'req/s':>9}")
     for depth, (ours, bare, ours_rate, bare_rate) in runs.items():
         for name, samples, rate in (("hisparsed lookup", ours, ours_rate), ("bare zmq echo", bare, bare_rate)):

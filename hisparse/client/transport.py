@@ -2,8 +2,9 @@
 
 A ``Transport`` is shared by every thread of a client. One I/O thread owns
 the DEALER (ZeroMQ sockets are not thread-safe); a caller hands it a frame
-built by ``hisparse.protocol`` (a queue and a wake-up pipe, no lock held
-across the call) and waits for the reply with its request ``id``. Replies
+built by ``hisparse.protocol`` (a queue, and a wake-up pipe only while that
+thread sleeps; no lock held across the call) and waits for the reply with
+its request ``id``. Replies
 come back in any order and are matched by id, so a slow request (a waited
 cluster ``prefetch``) never delays a fast one (the scheduler's ``reserve``,
 a heartbeat). A reply nobody waits for any more is dropped. Nothing here
@@ -137,6 +138,7 @@ class Transport:
         self._outbox: deque[_Call] = deque()
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.Lock()  # a wake-up never goes to a closed (reused) fd
+        self._sleeping = False  # the I/O thread is (about to be) blocked in poll: wake it
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.connected = False  # a daemon completed the handshake on the current connection
@@ -172,7 +174,8 @@ class Transport:
         rid = next(self._ids)
         pending = _Call(rid, op, protocol.encode_request(op, rid, **fields))
         self._outbox.append(pending)
-        self._wake()
+        if self._sleeping:  # an awake I/O thread looks at the outbox before it sleeps again
+            self._wake()
         if not pending.done.acquire(timeout=max(timeout_s, 0.0)):
             pending.abandoned = True
             if not pending.done.acquire(blocking=False):  # the reply did not slip in meanwhile
@@ -231,7 +234,11 @@ class Transport:
                 if unsent:
                     poller.modify(sock, zmq.POLLIN | zmq.POLLOUT)
                 timeout_ms = int(PROBE_AFTER_S * 1000) if inflight else -1
+                self._sleeping = True  # set before the outbox is looked at: no wake-up is lost
+                if self._outbox or self._closed:
+                    timeout_ms = 0
                 ready = dict(poller.poll(timeout_ms))
+                self._sleeping = False
                 if unsent:
                     poller.modify(sock, zmq.POLLIN)
                 if self._wake_r in ready:
@@ -262,7 +269,7 @@ class Transport:
 
     def _drain_wake(self) -> None:
         try:
-            while os.read(self._wake_r, 4096):
+            while len(os.read(self._wake_r, 4096)) == 4096:
                 pass
         except BlockingIOError:
             pass
@@ -316,6 +323,8 @@ class Transport:
         """Ping when a call has waited in silence: its timeout then tells slow from gone."""
         if probe_rid is not None or not inflight or not self.connected:
             return probe_rid
+        if self.heard_at > now - PROBE_AFTER_S:
+            return None  # the daemon answers: nothing to ask, and no scan of every call in flight
         for rid in [rid for rid, c in inflight.items() if c.abandoned]:
             del inflight[rid]
         oldest = min((c.sent_at or now for c in inflight.values()), default=now)
