@@ -64,6 +64,7 @@ RECONNECT_IVL_MS = 50
 RECONNECT_IVL_MAX_MS = 500  # a restarted daemon is found within half a second
 MAX_RESENDS = 3  # a request re-sent after this many connection drops in one call gives up
 PROBE_AFTER_S = 0.05  # a call unanswered this long, with the daemon silent: ask it for a ping
+PROBE_AGAIN_S = 1.0  # a ping unanswered this long is taken as lost: another may go out
 START_HINT = "start it with `hisparsed` (or `systemctl start hisparsed`)"
 _MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
@@ -139,6 +140,7 @@ class Transport:
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.Lock()  # a wake-up never goes to a closed (reused) fd
         self._sleeping = False  # the I/O thread is (about to be) blocked in poll: wake it
+        self._probe_sent_at = 0.0  # when the I/O thread's last liveness ping went out
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.connected = False  # a daemon completed the handshake on the current connection
@@ -321,7 +323,8 @@ class Transport:
     def _probe_if_silent(self, inflight: dict[int, _Call], probe_rid: int | None,
                          now: float) -> int | None:
         """Ping when a call has waited in silence: its timeout then tells slow from gone."""
-        if probe_rid is not None or not inflight or not self.connected:
+        if not inflight or not self.connected or (
+                probe_rid is not None and now - self._probe_sent_at < PROBE_AGAIN_S):
             return probe_rid
         if self.heard_at > now - PROBE_AFTER_S:
             return None  # the daemon answers: nothing to ask, and no scan of every call in flight
@@ -335,6 +338,7 @@ class Transport:
             self._sock.send(protocol.encode_request(Op.PING, rid), zmq.NOBLOCK)
         except zmq.Again:
             return None
+        self._probe_sent_at = now
         return rid
 
     def _connection_dropped(self) -> bool:
