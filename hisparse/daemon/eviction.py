@@ -122,14 +122,20 @@ class StampLRU:
         self.clock = now
 
     def touch_run(self, first: int, n: int) -> None:
-        """``touch_many(range(first + n - 1, first - 1, -1))``, the same stamps: a chain
-        stored at once, its head touched last; the run lies within the region. One
-        vectorised store when no page of it is held (the common case), else the loop."""
-        run = self._view[first:first + n]
-        if n > RUN_MAX or run.max() == HELD:
+        """``touch_many(range(first + n - 1, first - 1, -1))`` in two vectorised steps: a
+        chain stored at once, its head touched last; the run lies within the region.
+
+        The same victims in the same order: each page not held gets a stamp from
+        the clock's present, newer for the head, and a held page stays held
+        (``HELD`` is the largest stamp, and every other stamp is below the clock,
+        so the element-wise maximum picks exactly these). The stamps themselves
+        equal ``touch_many``'s when no page of the run is held.
+        """
+        if n > RUN_MAX:
             self.touch_many(range(first + n - 1, first - 1, -1))
             return
-        np.add(self._desc[RUN_MAX - n:], self.clock, out=run)
+        run = self._view[first:first + n]
+        np.maximum(run, self._desc[RUN_MAX - n:] + self.clock, out=run)
         self.clock += n
 
     def pop_victim(self) -> int | None:
