@@ -96,6 +96,13 @@ class NamespaceIndex(PinCounts):
 
     def _committed_prefix(self, keys: tuple[bytes, ...]) -> list[int]:
         """Pages of the leading committed keys."""
+        first = self._committed_run(keys)
+        if first >= 0:
+            return list(range(first, first + len(keys)))
+        return self._walk_prefix(keys)
+
+    def _walk_prefix(self, keys: tuple[bytes, ...]) -> list[int]:
+        """``_committed_prefix`` key by key: any order of pages, a prefix cut anywhere."""
         index, state, page_keys = self.keys, self.state, self.page_keys
         last = self.num_pages - 1
         pages: list[int] = []
@@ -144,7 +151,7 @@ class NamespaceIndex(PinCounts):
             found = len(keys)
             self.lru.touch_run(first, found)
         else:
-            hits = self._committed_prefix(keys)
+            hits = self._walk_prefix(keys)
             hits.reverse()
             self.lru.touch_many(hits)
             found = len(hits)

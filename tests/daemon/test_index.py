@@ -210,3 +210,13 @@ def test_lookup_of_a_consecutive_chain_is_the_walks_answer(make_index):
     # the head was touched last: the tail goes first
     assert index.lookup(tuple(k)) == 6
     assert [index.lru.pop_victim() for _ in range(6)] == [5, 4, 3, 2, 1, 0]
+
+
+def test_committed_prefix_pages_of_a_run_and_of_a_walk_agree(make_index):
+    index = make_index(8)
+    k = keys_for("p", 5)
+    store(index, k)
+    assert index.committed_prefix_pages(tuple(k)) == [0, 1, 2, 3, 4]
+    assert index.committed_prefix_pages(tuple(k[1:3])) == [1, 2]
+    assert index._walk_prefix(tuple(k)) == [0, 1, 2, 3, 4]
+    assert index.committed_prefix_pages((k[3], k[1])) == [3, 1]
