@@ -23,6 +23,7 @@ from array import array
 import numpy as np
 
 HELD = (1 << 64) - 1
+RUN_MAX = 4096  # longest run ``touch_run`` stores in one vectorised step
 MIN_BATCH = 1024
 BATCH_FRACTION = 512  # batch = max(MIN_BATCH, N / BATCH_FRACTION)
 
@@ -33,6 +34,7 @@ class StampLRU:
         self.clock = 1
         self.stamps = array("Q", [HELD]) * num_pages
         self._view = np.frombuffer(self.stamps, dtype=np.uint64)
+        self._desc = np.arange(RUN_MAX - 1, -1, -1, dtype=np.uint64)  # RUN_MAX-1 .. 0
         self._batch = max(MIN_BATCH, num_pages // BATCH_FRACTION)
         self._cand: list[int] = []
         self._cand_stamps: list[int] = []
@@ -118,6 +120,23 @@ class StampLRU:
                 stamps[page] = now
                 now += 1
         self.clock = now
+
+    def touch_run(self, first: int, n: int) -> None:
+        """``touch_many(range(first + n - 1, first - 1, -1))`` in two vectorised steps: a
+        chain stored at once, its head touched last; the run lies within the region.
+
+        The same victims in the same order: each page not held gets a stamp from
+        the clock's present, newer for the head, and a held page stays held
+        (``HELD`` is the largest stamp, and every other stamp is below the clock,
+        so the element-wise maximum picks exactly these). The stamps themselves
+        equal ``touch_many``'s when no page of the run is held.
+        """
+        if n > RUN_MAX:
+            self.touch_many(range(first + n - 1, first - 1, -1))
+            return
+        run = self._view[first:first + n]
+        np.maximum(run, self._desc[RUN_MAX - n:] + self.clock, out=run)
+        self.clock += n
 
     def pop_victim(self) -> int | None:
         """The least recently used evictable page, now held; None when none is evictable."""

@@ -96,6 +96,13 @@ class NamespaceIndex(PinCounts):
 
     def _committed_prefix(self, keys: tuple[bytes, ...]) -> list[int]:
         """Pages of the leading committed keys."""
+        first = self._committed_run(keys)
+        if first >= 0:
+            return list(range(first, first + len(keys)))
+        return self._walk_prefix(keys)
+
+    def _walk_prefix(self, keys: tuple[bytes, ...]) -> list[int]:
+        """``_committed_prefix`` key by key: any order of pages, a prefix cut anywhere."""
         index, state, page_keys = self.keys, self.state, self.page_keys
         last = self.num_pages - 1
         pages: list[int] = []
@@ -118,20 +125,41 @@ class NamespaceIndex(PinCounts):
             pages.append(page)
         return pages
 
+    def _committed_run(self, keys: tuple[bytes, ...]) -> int:
+        """The first page when every key is committed in consecutive ascending pages (a
+        chain stored at once: what ``_committed_prefix`` finds then), else -1. Checked
+        with slice compares, no loop."""
+        n = len(keys)
+        if not n:
+            return -1
+        first = self.keys.get(keys[0])
+        if first is None:
+            return -1
+        end = first + n
+        if end > self.num_pages or self.state.count(COMMITTED, first, end) != n:
+            return -1
+        return first if self.page_keys[first:end] == list(keys) else -1
+
     def committed_prefix_pages(self, keys: tuple[bytes, ...]) -> list[int]:
         """Pages of the leading committed keys, touching nothing (a quota check before a pin)."""
         return self._committed_prefix(keys)
 
     def lookup(self, keys: tuple[bytes, ...]) -> int:
         """Leading committed keys; touches them so a prefix's head outlives its tail."""
-        hits = self._committed_prefix(keys)
-        hits.reverse()
-        self.lru.touch_many(hits)
+        first = self._committed_run(keys)
+        if first >= 0:
+            found = len(keys)
+            self.lru.touch_run(first, found)
+        else:
+            hits = self._walk_prefix(keys)
+            hits.reverse()
+            self.lru.touch_many(hits)
+            found = len(hits)
         c = self.counters
         c.lookups += 1
         c.lookup_keys += len(keys)
-        c.hit_keys += len(hits)
-        return len(hits)
+        c.hit_keys += found
+        return found
 
     # -- writes --
 

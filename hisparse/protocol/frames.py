@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,13 +80,23 @@ def encode_request(op: Op, rid: int, **fields: Any) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
+_replies = threading.local()  # one Packer per thread: what ``packb`` builds on every call
+
+
+def _pack_reply(msg: dict[str, Any]) -> bytes:
+    try:
+        packer = _replies.packer
+    except AttributeError:
+        packer = _replies.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(msg)  # the same bytes as packb; a failed pack leaves the packer empty
+
+
 def encode_ok(rid: int | None, body: dict[str, Any]) -> bytes:
-    return msgpack.packb({"v": VERSION, "id": rid, "ok": body}, use_bin_type=True)
+    return _pack_reply({"v": VERSION, "id": rid, "ok": body})
 
 
 def encode_error(rid: int | None, code: ErrorCode, message: str) -> bytes:
-    return msgpack.packb({"v": VERSION, "id": rid, "error": {"code": code.value, "message": message}},
-                         use_bin_type=True)
+    return _pack_reply({"v": VERSION, "id": rid, "error": {"code": code.value, "message": message}})
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,9 @@ MAX_WIRE_INT = (1 << 63) - 1
 
 def _number(msg: dict[str, Any], name: str) -> int:
     """A required non-negative integer field below 2**63 (ids, sessions, cursors)."""
+    value = msg.get(name)
+    if type(value) is int and 0 <= value <= MAX_WIRE_INT:  # the common case: no further checks
+        return value
     value = _field(msg, name, (int,))
     if not 0 <= value <= MAX_WIRE_INT:
         raise WireError(ErrorCode.INVALID_ARGUMENT, f"field {name!r} must be 0-{MAX_WIRE_INT}, not {value}")
@@ -156,8 +159,14 @@ def _keys(msg: dict[str, Any], name: str = _KEYS) -> tuple[bytes, ...]:
                         f"{len(raw)} keys in one request; the limit is {MAX_KEYS_PER_REQUEST}")
     keys = tuple(raw)
     # The common case checked in C (a flood of the largest requests costs the
-    # loop little); the loop below only runs to name the offending key.
-    if set(map(type, keys)) <= _BYTES_ONLY:
+    # loop little); the loop below only runs to name the offending key. The
+    # join fails on anything but bytes: of what msgpack decodes, only bytes
+    # have the buffer protocol.
+    try:
+        b"".join(keys)
+    except TypeError:
+        pass
+    else:
         lengths = set(map(len, keys))  # usually one length: min and max are then free
         if not lengths or (MIN_KEY_BYTES <= min(lengths) and max(lengths) <= MAX_KEY_BYTES):
             return keys
@@ -226,7 +235,26 @@ def _hello(op: Op, rid: int, msg: dict[str, Any]) -> HelloRequest:
 
 
 _OPS = {op.value: op for op in Op}
-_BYTES_ONLY = frozenset({bytes})
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _keys_request(op: Op, rid: int, session: int, keys: tuple[bytes, ...], missing_ok: bool,
+                  remote: bool, wait: bool, tag: int | None) -> KeysRequest:
+    """``KeysRequest(...)`` at half the cost: the frozen dataclass's ``__init__`` sets
+    each field through ``object.__setattr__``; this sets its ``__dict__`` once."""
+    req = _new(KeysRequest)
+    _set(req, "__dict__", {"op": op, "id": rid, "session": session, "keys": keys,
+                           "missing_ok": missing_ok, "remote": remote, "wait": wait, "tag": tag})
+    return req
+
+
+def _flag(msg: dict[str, Any], name: str) -> bool | None:
+    """An optional bool field (``_field(msg, name, (bool,), optional=True)``)."""
+    value = msg.get(name)
+    if value is None or type(value) is bool:
+        return value
+    return _field(msg, name, (bool,), optional=True)  # raises, naming the type
 
 
 def decode_request(frame: bytes) -> Request:
@@ -279,11 +307,11 @@ def _request(msg: dict[str, Any]) -> Request:
         return AdminRequest(op, rid, session, token, namespace, target, force)
     session = _number(msg, "session")
     if op in _KEY_OPS:
-        missing_ok = _field(msg, "missing_ok", (bool,), optional=True) if op is Op.ABORT else None
-        remote = _field(msg, "remote", (bool,), optional=True) if op is Op.LOOKUP else None
-        wait = _field(msg, "wait", (bool,), optional=True) if op in (Op.LOOKUP, Op.PREFETCH) else None
-        return KeysRequest(op, rid, session, _keys(msg), bool(missing_ok), bool(remote),
-                           wait is not False, _tag(msg, op))
+        missing_ok = _flag(msg, "missing_ok") if op is Op.ABORT else None
+        remote = _flag(msg, "remote") if op is Op.LOOKUP else None
+        wait = _flag(msg, "wait") if op is Op.LOOKUP or op is Op.PREFETCH else None
+        return _keys_request(op, rid, session, _keys(msg), bool(missing_ok), bool(remote),
+                             wait is not False, _tag(msg, op))
     if op is Op.UNPIN:
         tag = _tag(msg, op)
         if tag is not None and msg.get("pages") is None:

@@ -110,3 +110,19 @@ def test_evictable_count_follows_every_operation_and_short_cuts_a_full_pinned_re
     lru.hold_many(np.arange(2048))
     lru._refill = None  # a scan would now fail loudly
     assert lru.evictable == 0 and lru.pop_victim() is None
+
+
+def test_touch_run_is_touch_many_of_the_run_head_last():
+    for held in (None, 3):
+        a, b = StampLRU(8), StampLRU(8)
+        for lru in (a, b):
+            for page in range(8):
+                lru.release(page)
+            if held is not None:
+                lru.hold(held)
+        a.touch_run(2, 4)
+        b.touch_many([5, 4, 3, 2])
+        if held is None:
+            assert list(a.stamps) == list(b.stamps) and a.clock == b.clock
+        assert a.is_held(3) == b.is_held(3) == (held == 3)
+        assert [a.pop_victim() for _ in range(9)] == [b.pop_victim() for _ in range(9)]

@@ -194,3 +194,29 @@ def test_a_cluster_read_hold_keeps_the_page_and_its_place_in_the_lru(make_index)
     # released at its old stamp: still the least recently used, so it goes next
     slots, evicted = index.reserve((k[5],), {})
     assert evicted == [k[0]]
+
+
+def test_lookup_of_a_consecutive_chain_is_the_walks_answer(make_index):
+    index = make_index(8)
+    k = keys_for("c", 6)
+    assert store(index, k) == list(range(6))
+    assert index._committed_run(tuple(k)) == 0
+    assert index.lookup(tuple(k)) == 6
+    assert index.lookup(tuple(k[2:5])) == 3
+    assert index.lookup((k[0], k[0])) == 2  # a repeated key: the walk, same answer
+    assert index.lookup((k[0], k[2])) == 2  # not consecutive: the walk
+    assert index.lookup(tuple(k[4:]) + (b"x" * 36,)) == 2  # past the chain: the walk
+    assert index._committed_run(tuple(k[4:]) + (b"x" * 36,)) == -1
+    # the head was touched last: the tail goes first
+    assert index.lookup(tuple(k)) == 6
+    assert [index.lru.pop_victim() for _ in range(6)] == [5, 4, 3, 2, 1, 0]
+
+
+def test_committed_prefix_pages_of_a_run_and_of_a_walk_agree(make_index):
+    index = make_index(8)
+    k = keys_for("p", 5)
+    store(index, k)
+    assert index.committed_prefix_pages(tuple(k)) == [0, 1, 2, 3, 4]
+    assert index.committed_prefix_pages(tuple(k[1:3])) == [1, 2]
+    assert index._walk_prefix(tuple(k)) == [0, 1, 2, 3, 4]
+    assert index.committed_prefix_pages((k[3], k[1])) == [3, 1]
