@@ -96,7 +96,7 @@ def measure(directory: str, num_pages: int, lookups: int) -> dict[str, float]:
     cfg = config.build(env={}, flags={"socket": os.path.join(directory, "unused.sock")})
     ctx = DaemonContext(cfg, Registry(cfg), SessionTable(60.0), admin_token="")
     ctx.registry.namespaces["bench"] = ns
-    session = ctx.sessions.open(ns, "bench")
+    session = ctx.sessions.open(ns, "bench", fence_dir=ctx.fence_dir)
     frames = [protocol.encode_request(protocol.Op.LOOKUP, i, session=session.id, keys=chain)
               for i, chain in enumerate(chains)]
     full, alone = [], []

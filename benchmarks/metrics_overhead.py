@@ -79,7 +79,9 @@ async def measure(args: argparse.Namespace) -> int:
     shm_dir = tempfile.mkdtemp(prefix="hisparse-bench-", dir=shm_base())
     try:
         cfg = config.build(env={}, flags={"socket": os.path.join(run_dir, "hisparsed.sock"),
-                                          "shm_dir": shm_dir, "capacity": "512MiB", "metrics_address": ""})
+                                          "shm_dir": shm_dir, "capacity": "512MiB", "metrics_address": "",
+                                          # one tenant: its 64 keys need more than half the region
+                                          "session_reserve_share": 1, "session_pin_share": 1})
         os.makedirs(cfg.metadata_dir, exist_ok=True)
         ctx = DaemonContext(cfg, Registry(cfg), SessionTable(cfg.lease_ttl_s), admin_token="x")
         hello = await call(ctx, Op.HELLO, namespace="bench/metrics", layout=KVLayout(78, 64, 656),

@@ -34,16 +34,13 @@ EVICTION_LOG_INTERVAL_S = 5.0
 LAG_INTERVAL_S = 0.5
 MAX_BATCH = 256  # messages handled per reader callback before yielding to timers
 MAX_BATCH_S = 0.02  # ... or this long, so timers and signals run under a flood
-# Per connection: a flooding peer has at most RCVHWM requests queued in the
-# daemon, a peer that does not read at most SNDHWM replies (then its replies
-# are dropped). ZeroMQ's queues are per connection, and the ROUTER takes one
-# message from each connection in turn (fair queueing), so a flooding peer
-# delays another's request by at most one of its own requests per turn.
+# Per connection (ZeroMQ queues per connection, and the ROUTER takes one message from each
+# in turn): a flooding peer has at most RCVHWM requests queued, so it delays another's request
+# by at most one of its own per turn; a peer that does not read, SNDHWM replies (then dropped).
 RCVHWM_MESSAGES = 2
 SNDHWM_MESSAGES = 64
-# A frame above this is not even read: ZeroMQ drops the connection at its
-# header, before allocating it. So a connection holds at most RCVHWM + 1
-# frames of this size in the daemon (queued, and one being read).
+# A larger frame is not even read (ZeroMQ drops the connection at its header): a connection
+# holds at most RCVHWM + 1 frames of this size in the daemon (queued, and one being read).
 MAX_WIRE_MESSAGE_BYTES = protocol.MAX_FRAME_BYTES
 CONNECTION_REQUEST_BYTES = (RCVHWM_MESSAGES + 1) * MAX_WIRE_MESSAGE_BYTES  # what libzmq may hold for one
 
