@@ -272,4 +272,11 @@ class ConnectionGuard:
         return {"connections": len(self.open), "connections_refused": sum(self.refused.values())}
 
     def close(self) -> None:
+        """Stop the monitor, then close its socket. In this order: libzmq's I/O thread sends
+        each event with a blocking send, so events of the router's closing connections sent
+        to a closed monitor socket would hang that thread, and every socket of the context."""
+        try:
+            self.router.disable_monitor()
+        except zmq.ZMQError:
+            pass  # the router is closed already: it sends nothing more
         self.monitor.close(linger=0)
