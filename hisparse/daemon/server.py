@@ -152,8 +152,7 @@ class Server:
         self._stopping: asyncio.Event | None = None
         self._reading = False  # inside _on_readable (which checks for more itself)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.stop_reason = ""
-        ctx.request_shutdown = self.stop
+        self.stop_reason, ctx.request_shutdown = "", self.stop
 
     # -- lifecycle --
 
@@ -228,8 +227,8 @@ class Server:
         try:
             deadline = time.monotonic() + MAX_BATCH_S
             for i in range(MAX_BATCH):
-                if i % 16 == 15:  # connection events are not kept waiting by a busy batch
-                    self.guard.on_events()
+                if i % 16 == 15 and self.guard.on_events():  # not kept waiting by a busy batch;
+                    asyncio.get_running_loop().call_soon(self._on_connection_events)  # the edge went
                 try:
                     identity, envelope, body, refusal = self.guard.recv(sock)
                 except zmq.Again:
