@@ -179,6 +179,10 @@ class ConnectionGuard:
         elif len(self.open) >= caps.max_connections:
             self._refuse(fd, "max_connections", caps.max_connections,
                          f"{len(self.open)} connections are open")
+        elif limits.in_large_backoff(uid):  # before libzmq reads its frames into memory
+            self._refuse(fd, "max_request_bytes_in_flight", caps.max_request_bytes_in_flight,
+                         f"uid {uid} was refused large frames: its new connections wait out a "
+                         "backoff", now=True)
         elif self.uid_connections[uid] >= caps.max_connections_per_uid:
             self._refuse(fd, "max_connections_per_uid", caps.max_connections_per_uid,
                          f"uid {uid} has {self.uid_connections[uid]} connections open")

@@ -11,8 +11,9 @@ names the key, so an operator knows what to raise and an engine what it hit.
   for one peer (``daemon.connections`` enforces them).
 - **Request bytes in flight**: libzmq holds up to RCVHWM + 1 frames of a
   connection (``server.py``), so at most ``max_request_bytes_in_flight`` worth
-  of connections may send frames over ``LARGE_FRAME_BYTES`` at once; one more
-  gets ``QUOTA_EXCEEDED`` and is shed (``admit_large_frame``).
+  of connections may send frames over ``LARGE_FRAME_BYTES`` at once, one uid
+  half of that; one more gets ``QUOTA_EXCEEDED`` and is shed, and its uid's
+  new connections are shed at accept for a backoff (``admit_large_frame``).
 - **File descriptors**: the soft ``RLIMIT_NOFILE`` is raised to the hard one
   at start; a session costs two (its fence file, and the duplicate of it
   Python's mmap keeps), a connection one, and no new one is admitted once
@@ -51,7 +52,9 @@ FDS_PER_CONNECTION = 1
 FD_RECOUNT_INTERVAL_S = 1.0
 EDGE_RECOUNT_INTERVAL_S = 0.05
 LARGE_FRAME_BYTES = 256 << 10  # a 4,000-key lookup; most requests are a few KB
-LARGE_SENDER_S = 1.0  # near the budget the estimate is replaced by a count this often
+LARGE_SENDER_S = 1.0  # a connection counts as a large sender this long after a large frame
+LARGE_BACKOFF_S = 1.0  # a uid refused large frames has its new connections shed this long,
+LARGE_BACKOFF_MAX_S = 8.0  # doubling while it keeps trying, up to this
 
 
 def raise_fd_limit() -> int:
@@ -132,6 +135,7 @@ class Limits:
         self.fds_since_count = 0  # descriptors admitted since the last count (ends are not subtracted)
         self._counted_s = time.monotonic()
         self.refused: Counter[str] = Counter()  # limit name -> refusals
+        self.large_backoff: dict[int | None, tuple[float, float]] = {}  # uid -> (until, length)
 
     # -- file descriptors --
 
@@ -178,23 +182,50 @@ class Limits:
 
         libzmq may hold up to ``per_connection_bytes`` for a connection that
         sends large frames (RCVHWM + 1 frames of MAX_FRAME_BYTES); the daemon
-        lets at most ``max_request_bytes_in_flight`` of that exist: a
-        connection counts as a large sender for LARGE_SENDER_S after each large
-        frame, and past the budget a new large sender is refused (and shed).
+        lets at most ``max_request_bytes_in_flight`` of that exist, and one uid
+        at most half of it (at least one connection): a connection counts as a
+        large sender for LARGE_SENDER_S after each large frame, and past either
+        budget a new large sender is refused (and shed). Its uid then sits out
+        a backoff (``in_large_backoff``): its new connections are shed as they
+        are accepted, before libzmq reads their frames, so reconnecting does
+        not buy it room (1 s, doubling while it keeps trying, at most 8 s).
         """
         now = time.monotonic()
         peer = self.peer(identity)
         if peer.large_until_s > now:
             peer.large_until_s = now + LARGE_SENDER_S
             return None
-        senders = sum(1 for p in self.peers.values() if p.large_until_s > now)
-        if (senders + 1) * per_connection_bytes > self.caps.max_request_bytes_in_flight:
-            self.refused["max_request_bytes_in_flight"] += 1
-            return (f"request refused: max_request_bytes_in_flight ({self.caps.max_request_bytes_in_flight}"
-                    f") reached: {senders} connections are sending frames over {LARGE_FRAME_BYTES} "
-                    f"bytes, each may hold {per_connection_bytes} bytes in the daemon")
-        peer.large_until_s = now + LARGE_SENDER_S
-        return None
+        budget = self.caps.max_request_bytes_in_flight
+        senders = [p for p in self.peers.values() if p.large_until_s > now]
+        own = sum(1 for p in senders if p.uid == peer.uid)
+        if (len(senders) + 1) * per_connection_bytes > budget:
+            detail = f"{len(senders)} connections are sending frames over {LARGE_FRAME_BYTES} bytes"
+        elif own >= max(1, budget // 2 // per_connection_bytes):
+            detail = f"uid {peer.uid} has {own} connections sending frames over {LARGE_FRAME_BYTES} bytes"
+        else:
+            peer.large_until_s = now + LARGE_SENDER_S
+            return None
+        self.refused["max_request_bytes_in_flight"] += 1
+        self._large_backoff(peer.uid, now)
+        return (f"request refused: max_request_bytes_in_flight ({budget}) reached: {detail}, each may "
+                f"hold {per_connection_bytes} bytes in the daemon (one uid may use half); new "
+                f"connections of uid {peer.uid} are refused for {self.large_backoff[peer.uid][1]:.0f}s")
+
+    def _large_backoff(self, uid: int | None, now: float) -> None:
+        until, length = self.large_backoff.get(uid, (0.0, 0.0))
+        length = min(LARGE_BACKOFF_MAX_S, 2 * length) if now < until + LARGE_BACKOFF_MAX_S else 0.0
+        length = max(length, LARGE_BACKOFF_S)
+        self.large_backoff[uid] = (now + length, length)
+
+    def in_large_backoff(self, uid: int | None) -> bool:
+        """Whether ``uid``'s new connections are shed: it was refused large frames just now."""
+        entry = self.large_backoff.get(uid)
+        if entry is None:
+            return False
+        if entry[0] + LARGE_BACKOFF_MAX_S < time.monotonic():  # long over: forgotten
+            del self.large_backoff[uid]
+            return False
+        return entry[0] > time.monotonic()
 
     def forget_idle_peers(self) -> None:
         """Drop the records of connections that hold no session nor send large frames (the

@@ -101,6 +101,36 @@ def test_sessions_per_uid_and_in_total_are_capped_by_name(daemon_factory):
             c.close()
 
 
+
+def test_large_senders_past_the_budget_are_refused_and_their_uid_backs_off(daemon_factory):
+    """Room for two large senders (12 MiB each), one per uid: the second connection of the
+    same uid is refused naming the cap and shed; that uid's new connections are then shed at
+    accept, before libzmq reads their frames into memory; after the backoff they are served."""
+    d = daemon_factory(env={"HISPARSED_MAX_REQUEST_BYTES_IN_FLIGHT": "24MiB"})
+    large = msgpack.packb({"v": protocol.VERSION, "id": 5, "op": "ping", "pad": b"x" * 200}) + \
+        b"\0" * (300 << 10)  # over 256 KiB: a protocol error, but a large frame first
+    first, second = RawClient(d.socket), RawClient(d.socket)
+    later = None
+    try:
+        assert first.send_raw(large) is not None  # admitted: answered (with its protocol error)
+        reply = second.send_raw(large)
+        assert reply is not None and reply.error_code == ErrorCode.QUOTA_EXCEEDED.value
+        assert "max_request_bytes_in_flight" in reply.error_message and "uid" in reply.error_message
+        later = RawClient(d.socket, timeout_s=0.5)  # inside the backoff: shed unanswered
+        assert later.send_raw(protocol.encode_request(Op.PING, 1)) is None
+        later.close()
+        later = RawClient(d.socket, timeout_s=2)
+
+        def served() -> bool:  # the backoff ends (1 s): a new connection is answered again
+            reply_ = later.send_raw(protocol.encode_request(Op.PING, 2))
+            return reply_ is not None and reply_.ok is not None
+        wait_for(served, "a connection after the backoff to be served", timeout_s=30)
+        assert first.call(Op.PING)["protocol"] == protocol.VERSION  # the admitted one served on
+    finally:
+        for c in (first, second, later):
+            if c is not None:
+                c.close()
+
 FLOOD = """
 import socket, sys, time
 held = []
