@@ -37,6 +37,7 @@ from collections import Counter
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from hisparse.daemon.door import DoorWatch
 from hisparse.daemon.limits import FDS_PER_CONNECTION, Limits
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,8 @@ class ConnectionGuard:
         self._window_refusals = 0
         self.refused: Counter[str] = Counter()
         self._logged_s = 0.0
+        self.door: DoorWatch | None = None  # the watch that shuts the door without the loop
+        self.door_closures = 0  # times the door was shut (by the loop or the watch)
 
     @property
     def fd(self) -> int:
@@ -138,7 +141,14 @@ class ConnectionGuard:
         self.router.bind(self.endpoint)
         os.chmod(self.path, SOCKET_MODE)
         self.listening = True
+        limits = self.limits  # just past the budget: the loop would have shut it by then
+        self.door = DoorWatch(self.path, limits.fd_budget + REOPEN_MARGIN_FDS // 2, self._shut_by_watch)
+        self.door.start()
 
+    def _shut_by_watch(self) -> None:
+        """The door watch shut the door (its own thread): reopened after a real count."""
+        self.listening = False
+        self.door_closures += 1
     def regulate(self) -> None:
         """Close the door while descriptors are at their budget; open it again below.
 
@@ -154,17 +164,22 @@ class ConnectionGuard:
         limits, now = self.limits, time.monotonic()
         storm = self._window_refusals > MAX_REFUSALS_PER_S
         if self.listening and (storm or not limits.fds_available(0)):
+            if self.door is not None:
+                self.door.watching = False
             os.chmod(self.path, 0)
             self.listening = False
+            self.door_closures += 1
             self._closed_until_s = now + (STORM_CLOSE_S if storm else 0.0)
             why = (f"{self._window_refusals} connections refused within {STORM_WINDOW_S}s" if storm else
                    f"{limits.fds_in_use} of RLIMIT_NOFILE {limits.fd_limit} descriptors in use "
                    f"(headroom {limits.headroom} kept free)")
             log.warning("closed the socket to new connections: %s", why)
         elif (not self.listening and now >= self._closed_until_s
-              and limits.fds_in_use + REOPEN_MARGIN_FDS <= limits.fd_budget):
+              and limits.recount_if_stale() + REOPEN_MARGIN_FDS <= limits.fd_budget):
             os.chmod(self.path, SOCKET_MODE)
             self.listening = True
+            if self.door is not None:
+                self.door.watching = True
             log.warning("the socket takes connections again: %d descriptors in use", limits.fds_in_use)
 
     def _accepted(self, fd: int) -> None:
@@ -180,15 +195,20 @@ class ConnectionGuard:
             self._refuse(fd, "max_connections", caps.max_connections,
                          f"{len(self.open)} connections are open")
         elif limits.in_large_backoff(uid):  # before libzmq reads its frames into memory
-            self._refuse(fd, "max_request_bytes_in_flight", caps.max_request_bytes_in_flight,
-                         f"uid {uid} was refused large frames: its new connections wait out a "
-                         "backoff", now=True)
+            self._backoff_refusal(uid)
+            _shutdown_if_ours(fd, self.path)
         elif self.uid_connections[uid] >= caps.max_connections_per_uid:
             self._refuse(fd, "max_connections_per_uid", caps.max_connections_per_uid,
                          f"uid {uid} has {self.uid_connections[uid]} connections open")
         else:
             self.open[fd] = uid
             self.uid_connections[uid] += 1
+
+    def _backoff_refusal(self, uid: int | None) -> str:
+        self.refused["max_request_bytes_in_flight"] += 1
+        self._count_refusal()
+        return (f"connection refused: max_request_bytes_in_flight ({self.limits.caps.max_request_bytes_in_flight}"
+                f") reached: uid {uid} was refused large frames and its new connections wait out a backoff")
 
     def _gone(self, fd: int) -> None:
         self.refusing.pop(fd, None)
@@ -252,8 +272,11 @@ class ConnectionGuard:
             fd = frame.get(zmq.SRCFD)
             refusal = self.refusal_for(fd)
             if refusal is None:
-                self.limits.peer(identity, frame.get("Peer-Address"), fd)
+                peer = self.limits.peer(identity, frame.get("Peer-Address"), fd)
                 known = True
+                if self.limits.in_large_backoff(peer.uid) and fd is not None:  # read before its
+                    refusal = self._backoff_refusal(peer.uid)  # accept event: shed all the same
+                    self.refusing[fd] = (time.monotonic() + 0.05, "")
             parts.append(frame.bytes)
         # A DEALER sends [payload]; a REQ sends ["", payload]: answer in kind.
         if len(parts) == 2 and parts[0] == b"":
@@ -273,9 +296,16 @@ class ConnectionGuard:
         return refusal
 
     def stats(self) -> dict[str, int]:
-        return {"connections": len(self.open), "connections_refused": sum(self.refused.values())}
+        return {"connections": len(self.open), "connections_refused": sum(self.refused.values()),
+                "socket_closures": self.door_closures}
 
     def close(self) -> None:
+        if self.door is not None:
+            self.door.close()
+            self.door = None
+        self._close_monitor()
+
+    def _close_monitor(self) -> None:
         """Stop the monitor, then close its socket. In this order: libzmq's I/O thread sends
         each event with a blocking send, so events of the router's closing connections sent
         to a closed monitor socket would hang that thread, and every socket of the context."""

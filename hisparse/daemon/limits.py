@@ -159,6 +159,13 @@ class Limits:
         self.fds_since_count = 0
         self._counted_s = time.monotonic()
 
+    def recount_if_stale(self) -> int:
+        """Descriptors in use, counted for real unless counted within EDGE_RECOUNT_INTERVAL_S
+        (the estimate misses what libzmq accepted that the loop has not read of yet)."""
+        if time.monotonic() - self._counted_s > EDGE_RECOUNT_INTERVAL_S:
+            self.recount_fds()
+        return self.fds_in_use
+
     def fds_available(self, cost: int) -> bool:
         if self.fds_in_use + cost <= self.fd_budget:
             return True

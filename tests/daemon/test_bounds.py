@@ -116,8 +116,9 @@ def test_large_senders_past_the_budget_are_refused_and_their_uid_backs_off(daemo
         reply = second.send_raw(large)
         assert reply is not None and reply.error_code == ErrorCode.QUOTA_EXCEEDED.value
         assert "max_request_bytes_in_flight" in reply.error_message and "uid" in reply.error_message
-        later = RawClient(d.socket, timeout_s=0.5)  # inside the backoff: shed unanswered
-        assert later.send_raw(protocol.encode_request(Op.PING, 1)) is None
+        later = RawClient(d.socket, timeout_s=0.5)  # inside the backoff: shed, at most told why
+        reply = later.send_raw(protocol.encode_request(Op.PING, 1))
+        assert reply is None or "max_request_bytes_in_flight" in (reply.error_message or ""), reply
         later.close()
         later = RawClient(d.socket, timeout_s=2)
 
@@ -194,7 +195,8 @@ def test_a_descriptor_starved_daemon_refuses_instead_of_aborting(tmp_path_factor
         assert peer.stdout is not None and int(peer.stdout.readline()) < 3000
         assert d.proc.poll() is None, d.log()
         assert keeper.call(Op.PING)["pid"] == d.proc.pid  # an open connection is served on
-        assert keeper.call(Op.STATS)["daemon"]["connections_refused"] > 0
+        daemon = keeper.call(Op.STATS)["daemon"]  # refused, or kept out by the shut door
+        assert daemon["connections_refused"] > 0 or daemon["socket_closures"] > 0
         peer.communicate("", timeout=30)
         # with the flood gone, a new engine gets in again
         wait_for(lambda: _hello_ok(d.socket), "a session after the flood", timeout_s=30)
