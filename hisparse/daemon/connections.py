@@ -141,8 +141,7 @@ class ConnectionGuard:
         self.router.bind(self.endpoint)
         os.chmod(self.path, SOCKET_MODE)
         self.listening = True
-        limits = self.limits  # just past the budget: the loop would have shut it by then
-        self.door = DoorWatch(self.path, limits.fd_budget + REOPEN_MARGIN_FDS // 2, self._shut_by_watch)
+        self.door = DoorWatch(self.path, self.limits.fd_budget, self._shut_by_watch)
         self.door.start()
 
     def _shut_by_watch(self) -> None:
@@ -274,8 +273,8 @@ class ConnectionGuard:
             if refusal is None:
                 peer = self.limits.peer(identity, frame.get("Peer-Address"), fd)
                 known = True
-                if self.limits.in_large_backoff(peer.uid) and fd is not None:  # read before its
-                    refusal = self._backoff_refusal(peer.uid)  # accept event: shed all the same
+                if fd is not None and fd not in self.open and self.limits.in_large_backoff(peer.uid):
+                    refusal = self._backoff_refusal(peer.uid)  # read before its accept event
                     self.refusing[fd] = (time.monotonic() + 0.05, "")
             parts.append(frame.bytes)
         # A DEALER sends [payload]; a REQ sends ["", payload]: answer in kind.
@@ -294,6 +293,22 @@ class ConnectionGuard:
             self.refusing[peer.fd] = (time.monotonic() + 0.05, "")  # this reply goes first
             self._count_refusal()  # shed senders reconnect: a storm of them closes the door
         return refusal
+
+    def shedding(self, identity: bytes) -> bool:
+        """Whether ``identity``'s connection was answered its refusal and is being shed."""
+        peer = self.limits.peers.get(identity)
+        return peer is not None and self.refusing.get(peer.fd, (0.0, None))[1] == ""
+
+    def shed_invalid_large(self, identity: bytes) -> None:
+        """A frame over LARGE_FRAME_BYTES that is no request: no client sends one, so its
+        connection is shed (after this reply) and its uid backs off as a refused large sender."""
+        peer = self.limits.peers.get(identity)
+        if peer is None or peer.fd is None:
+            return
+        self.limits.refused["max_request_bytes_in_flight"] += 1
+        self.limits.large_backoff_for(peer.uid)
+        self.refusing[peer.fd] = (time.monotonic() + 0.05, "")
+        self._count_refusal()
 
     def stats(self) -> dict[str, int]:
         return {"connections": len(self.open), "connections_refused": sum(self.refused.values()),

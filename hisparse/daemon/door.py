@@ -6,10 +6,11 @@ guard (``daemon.connections``) closes the door (the socket file's mode to 0)
 when it reads the accept events, but it reads them on the event loop, which a
 busy batch or a loaded machine delays; a flood of connects can use up the
 headroom meanwhile. This thread does not wait for the loop: every
-``INTERVAL_S`` (``FAR_INTERVAL_S`` while below half the budget) it asks the
-kernel for the lowest free descriptor (a ``dup``, closed at once). The kernel hands out the lowest free number, so once a
+``INTERVAL_S`` (``FAR_INTERVAL_S`` while more than ``FAR_FDS`` below the
+budget) it asks the kernel for the lowest free descriptor (a ``dup``, closed
+at once). The kernel hands out the lowest free number, so once a
 flood has filled the holes that number is the count in use; at the budget
-plus half the headroom the door is shut from here, and the guard, on the
+the door is shut from here, and the guard, on the
 loop, reopens it only after a real count says there is room again.
 
 Its cost is one ``dup`` + ``close`` per interval and a brief hold of the GIL
@@ -24,8 +25,9 @@ import threading
 
 log = logging.getLogger(__name__)
 
-INTERVAL_S = 0.002  # near the budget (past half of it)
-FAR_INTERVAL_S = 0.02  # below half of it: a flood needs far longer than this to cross the rest
+INTERVAL_S = 0.002
+FAR_INTERVAL_S = 0.02  # while more than FAR_FDS below the threshold
+FAR_FDS = 4096  # more connections than a flood completes in FAR_INTERVAL_S
 
 
 class DoorWatch:
@@ -52,7 +54,7 @@ class DoorWatch:
                 fd = self.threshold
             else:
                 os.close(fd)
-            interval_s = INTERVAL_S if 2 * fd >= self.threshold else FAR_INTERVAL_S
+            interval_s = INTERVAL_S if fd + FAR_FDS >= self.threshold else FAR_INTERVAL_S
             if fd >= self.threshold and self.watching:
                 self.watching = False
                 try:

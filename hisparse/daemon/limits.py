@@ -218,6 +218,10 @@ class Limits:
                 f"hold {per_connection_bytes} bytes in the daemon (one uid may use half); new "
                 f"connections of uid {peer.uid} are refused for {self.large_backoff[peer.uid][1]:.0f}s")
 
+    def large_backoff_for(self, uid: int | None) -> None:
+        """Start (or lengthen) ``uid``'s backoff: its new connections are shed at accept."""
+        self._large_backoff(uid, time.monotonic())
+
     def _large_backoff(self, uid: int | None, now: float) -> None:
         until, length = self.large_backoff.get(uid, (0.0, 0.0))
         length = min(LARGE_BACKOFF_MAX_S, 2 * length) if now < until + LARGE_BACKOFF_MAX_S else 0.0

@@ -206,6 +206,9 @@ def _cluster_tier(cfg: config_mod.ClusterConfig):
 
 def run(cfg: config_mod.Config) -> int:
     fd_limit = raise_fd_limit()  # sessions and connections are counted against it (daemon.limits)
+    # The door watch (daemon.door) and the loop share the GIL: a busy loop hands it over
+    # within this interval (CPython's default is 5 ms, long enough for a connect flood).
+    sys.setswitchinterval(0.001)
     log.info("RLIMIT_NOFILE %d; %d kept free (fd_headroom)", fd_limit, cfg.fd_headroom)
     # First the socket's directory: meta/, fences/ and the token go beside it.
     trust.private_dir(os.path.dirname(cfg.socket), "socket directory", allow_root_owner=True)

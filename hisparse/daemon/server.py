@@ -21,6 +21,7 @@ import zmq
 from hisparse import protocol
 from hisparse.daemon import notify
 from hisparse.daemon.connections import ConnectionGuard
+from hisparse.daemon.fairness import FairQueue
 from hisparse.daemon.handlers import HANDLERS, DaemonContext, Deferred
 from hisparse.daemon.limits import FD_RECOUNT_INTERVAL_S, LARGE_FRAME_BYTES, Limits, caps_of
 from hisparse.daemon.outbox import Outbox
@@ -32,8 +33,7 @@ log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 0.2
 EVICTION_LOG_INTERVAL_S = 5.0
 LAG_INTERVAL_S = 0.5
-MAX_BATCH = 256  # messages handled per reader callback before yielding to timers
-MAX_BATCH_S = 0.02  # ... or this long, so timers and signals run under a flood
+MAX_BATCH_S = 0.02  # a reader callback serves this long at most, so timers and signals run
 # Per connection (ZeroMQ queues per connection, and the ROUTER takes one message from each
 # in turn): a flooding peer has at most RCVHWM requests queued, so it delays another's request
 # by at most one of its own per turn; a peer that does not read, SNDHWM replies (then dropped).
@@ -45,15 +45,19 @@ MAX_WIRE_MESSAGE_BYTES = protocol.MAX_FRAME_BYTES
 CONNECTION_REQUEST_BYTES = (RCVHWM_MESSAGES + 1) * MAX_WIRE_MESSAGE_BYTES  # what libzmq may hold for one
 
 
-def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"") -> bytes | tuple[int | None, Deferred]:
+def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"",
+             on_invalid=None) -> bytes | tuple[int | None, Deferred]:
     """One request frame from connection ``peer`` in, one reply frame out (or a ``Deferred``
-    to finish later). Decodes the frame once. Never raises."""
+    to finish later). Decodes the frame once; ``on_invalid()`` when it is not a request.
+    Never raises."""
     started_ns = time.perf_counter_ns()
     ctx.requests_total += 1
     try:
         req = protocol.decode_request(frame)
     except WireError as exc:  # the error carries the id when one was read: no second decode
         ctx.opstats.observe("invalid", time.perf_counter_ns() - started_ns)
+        if on_invalid is not None:
+            on_invalid()
         return _refusal(ctx, exc.rid, exc)
     except Exception as exc:
         return _internal(ctx, None, exc)
@@ -143,6 +147,7 @@ class Server:
         # silently dropped: the outbox keeps a bounded backlog or drops it.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.outbox = Outbox(self.sock)
+        self.fair = FairQueue()  # read, not yet served
         self.limits = Limits(caps_of(ctx.config))
         ctx.sessions.limits = self.limits
         self.guard = ConnectionGuard(self.sock, self.limits, endpoint.removeprefix("ipc://"), endpoint)
@@ -222,23 +227,38 @@ class Server:
     # -- the data path --
 
     def _on_readable(self) -> None:
-        sock = self.sock
+        sock, guard, fair = self.sock, self.guard, self.fair
         self._reading = True
         try:
             deadline = time.monotonic() + MAX_BATCH_S
-            for i in range(MAX_BATCH):
-                if i % 16 == 15 and self.guard.on_events():  # not kept waiting by a busy batch;
-                    asyncio.get_running_loop().call_soon(self._on_connection_events)  # the edge went
-                try:
-                    identity, envelope, body, refusal = self.guard.recv(sock)
-                except zmq.Again:
+            reads, more = 0, True
+            while True:  # read what waits (cheap), then serve one request of each uid in turn
+                while more and fair.room():
+                    reads += 1
+                    if reads % 16 == 0 and guard.on_events():  # not kept waiting by a busy batch;
+                        asyncio.get_running_loop().call_soon(self._on_connection_events)  # edge went
+                    try:
+                        identity, envelope, body, refusal = guard.recv(sock)
+                    except zmq.Again:
+                        more = False
+                        break
+                    size = len(body[-1]) if body else 0
+                    if refusal is None and size > LARGE_FRAME_BYTES:
+                        refusal = guard.admit_large_frame(identity, size, CONNECTION_REQUEST_BYTES)
+                    if refusal != "":  # "": its connection was told why, once; being shed
+                        peer = guard.limits.peers.get(identity)
+                        fair.put(peer.uid if peer is not None else None,
+                                 (identity, envelope, body, refusal), size)
+                if not fair.count:
                     break
-                self._handle(identity, envelope, body, refusal)
+                for item in fair.round():
+                    self._handle(*item)
                 if time.monotonic() > deadline:
                     break
+                more = True  # a backlog: what arrived meanwhile joins the next round
             # ZeroMQ's fd is edge-triggered and a send can swallow the edge:
             # ask the socket itself whether more is queued.
-            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if fair.count or sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 asyncio.get_running_loop().call_soon(self._on_readable)
         except Exception:
             log.error("error in the receive loop; serving on", exc_info=True)
@@ -254,10 +274,8 @@ class Server:
 
     def _handle(self, identity: bytes, envelope: list[bytes], body: list[bytes],
                 refusal: str | None) -> None:
-        if refusal is None and body and len(body[-1]) > LARGE_FRAME_BYTES:
-            refusal = self.guard.admit_large_frame(identity, len(body[-1]), CONNECTION_REQUEST_BYTES)
-        if refusal == "":
-            return  # its connection was told why, once; it is being shed
+        if refusal is None and self.guard.shedding(identity):
+            return  # read before its connection was told why; unanswered now
         if refusal is not None:
             reply = protocol.encode_error(None, ErrorCode.QUOTA_EXCEEDED, refusal)
         elif len(body) != 1:
@@ -266,8 +284,9 @@ class Server:
         else:
             known = self.guard.limits.peers.get(identity)
             self.ctx.peer_address = known.address if known is not None else None
-            try:
-                result = dispatch(self.ctx, body[0], identity)
+            try:  # a large frame that is no request costs its sender the connection (backoff)
+                result = dispatch(self.ctx, body[0], identity, None if len(body[0]) <= LARGE_FRAME_BYTES
+                                  else lambda: self.guard.shed_invalid_large(identity))
             finally:
                 self.ctx.peer_address = None
             if isinstance(result, tuple):
@@ -285,6 +304,8 @@ class Server:
 
     def _drain(self) -> None:
         """Answer what is already queued before closing (SIGTERM drains)."""
+        for identity, envelope, body, _ in self.fair.drain():
+            self._handle_draining([identity, *envelope, *body])
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             try:

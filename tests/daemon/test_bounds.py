@@ -18,7 +18,7 @@ from hisparse import KVLayout, protocol
 from hisparse.protocol import ErrorCode, Op
 from hisparse.shm.fence import FenceFile, fence_dir_for
 from tests.conftest import Daemon, _shm_base
-from tests.rawclient import RawClient
+from tests.rawclient import RawClient, keys_for
 from tests.waiting import wait_for
 
 LAYOUT = KVLayout(2, 4, 64)
@@ -34,25 +34,33 @@ def bomb(field: str) -> bytes:
 
 
 def test_decode_bombs_get_a_typed_error_fast_and_the_daemon_serves_on(hisparsed):
-    c = RawClient(hisparsed.socket, timeout_s=30)
+    """Each bomb on its own connection: a typed error (addressed, though never decoded), then
+    the connection is shed (no client sends a large frame that is no request); a connection
+    that sent none is served throughout."""
+    keeper = RawClient(hisparsed.socket, timeout_s=30)
+    bombers = [RawClient(hisparsed.socket, timeout_s=30) for _ in range(3)]
     try:
-        frames = [bomb("keys"), bomb("padding"), bomb("pages")] * 2
-        started = time.monotonic()
-        for frame in frames:  # pipelined: the replies come in order
-            c.sock.send(frame)
+        for c in (keeper, *bombers):  # all connected before the first bomb
+            assert c.call(Op.PING)["pid"] == hisparsed.pid
         replies = []
-        for _ in frames:
-            assert c.sock.poll(30_000)
-            replies.append(protocol.decode_reply(c.sock.recv()))
+        started = time.monotonic()
+        for bomber, field in zip(bombers, ("keys", "padding", "pages")):
+            bomber.sock.send(bomb(field))
+            bomber.sock.send(bomb(field))  # dropped: its connection is being shed
+            assert bomber.sock.poll(30_000)
+            replies.append(protocol.decode_reply(bomber.sock.recv()))
+            assert keeper.call(Op.PING)["pid"] == hisparsed.pid
         elapsed = time.monotonic() - started
         assert all(r.error_code in (ErrorCode.PROTOCOL_ERROR.value, ErrorCode.INVALID_ARGUMENT.value)
                    for r in replies), replies
-        assert all(r.id == 77 for r in replies)  # addressed, though never decoded
-        # unbounded, each costs ~1.5 s of loop (9 s in all); scanned, a few ms each
+        assert all(r.id == 77 for r in replies)
+        assert not any(b.sock.poll(200) for b in bombers)  # no reply to a second bomb
+        # unbounded, each costs ~1.5 s of loop; scanned, a few ms
         assert elapsed < 3.0, elapsed
-        assert c.call(Op.PING)["pid"] == hisparsed.pid
     finally:
-        c.close()
+        keeper.close()
+        for b in bombers:
+            b.close()
 
 
 def test_a_hello_flood_on_one_connection_stops_at_the_session_cap(hisparsed):
@@ -107,14 +115,16 @@ def test_large_senders_past_the_budget_are_refused_and_their_uid_backs_off(daemo
     same uid is refused naming the cap and shed; that uid's new connections are then shed at
     accept, before libzmq reads their frames into memory; after the backoff they are served."""
     d = daemon_factory(env={"HISPARSED_MAX_REQUEST_BYTES_IN_FLIGHT": "24MiB"})
-    large = msgpack.packb({"v": protocol.VERSION, "id": 5, "op": "ping", "pad": b"x" * 200}) + \
-        b"\0" * (300 << 10)  # over 256 KiB: a protocol error, but a large frame first
     first, second = RawClient(d.socket), RawClient(d.socket)
+    keys = keys_for("large", 10_000)  # 380 KB: over 256 KiB
     later = None
     try:
-        assert first.send_raw(large) is not None  # admitted: answered (with its protocol error)
-        reply = second.send_raw(large)
-        assert reply is not None and reply.error_code == ErrorCode.QUOTA_EXCEEDED.value
+        first.hello("ns", LAYOUT, CAP)
+        second.hello("ns", LAYOUT, CAP)
+        r0 = first.send_raw(protocol.encode_request(Op.LOOKUP, 1, session=first.session, keys=keys))
+        assert r0 is not None and r0.ok is not None, r0  # admitted: a large sender
+        reply = second.send_raw(protocol.encode_request(Op.LOOKUP, 2, session=second.session, keys=keys))
+        assert reply is not None and reply.error_code == ErrorCode.QUOTA_EXCEEDED.value  # no id: unread
         assert "max_request_bytes_in_flight" in reply.error_message and "uid" in reply.error_message
         later = RawClient(d.socket, timeout_s=0.5)  # inside the backoff: shed, at most told why
         reply = later.send_raw(protocol.encode_request(Op.PING, 1))
@@ -126,7 +136,7 @@ def test_large_senders_past_the_budget_are_refused_and_their_uid_backs_off(daemo
             reply_ = later.send_raw(protocol.encode_request(Op.PING, 2))
             return reply_ is not None and reply_.ok is not None
         wait_for(served, "a connection after the backoff to be served", timeout_s=30)
-        assert first.call(Op.PING)["protocol"] == protocol.VERSION  # the admitted one served on
+        assert first.request(Op.LOOKUP, keys=keys).ok is not None  # the admitted one served on
     finally:
         for c in (first, second, later):
             if c is not None:
