@@ -222,7 +222,6 @@ class Server:
     # -- the data path --
 
     def _on_readable(self) -> None:
-        sock = self.sock
         self._reading = True
         try:
             deadline = time.monotonic() + MAX_BATCH_S
@@ -230,16 +229,15 @@ class Server:
                 if i % 16 == 15 and self.guard.on_events():  # not kept waiting by a busy batch;
                     asyncio.get_running_loop().call_soon(self._on_connection_events)  # the edge went
                 try:
-                    identity, envelope, body, refusal = self.guard.recv(sock)
+                    identity, envelope, body, refusal = self.guard.recv(self.sock)
                 except zmq.Again:
-                    break
+                    # libzmq read every command before saying so (the edge is re-armed): the
+                    # next message signals the fd, even if a send in this batch took an edge.
+                    return
                 self._handle(identity, envelope, body, refusal)
                 if time.monotonic() > deadline:
                     break
-            # ZeroMQ's fd is edge-triggered and a send can swallow the edge:
-            # ask the socket itself whether more is queued.
-            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                asyncio.get_running_loop().call_soon(self._on_readable)
+            asyncio.get_running_loop().call_soon(self._on_readable)  # cut short: more may wait
         except Exception:
             log.error("error in the receive loop; serving on", exc_info=True)
         finally:
