@@ -33,7 +33,7 @@ from hisparse.daemon import config  # noqa: E402
 from hisparse.daemon.handlers import DaemonContext  # noqa: E402
 from hisparse.daemon.index import NamespaceIndex  # noqa: E402
 from hisparse.daemon.namespaces import Namespace, Registry  # noqa: E402
-from hisparse.daemon.server import dispatch  # noqa: E402
+from hisparse.daemon.dispatch import dispatch  # noqa: E402
 from hisparse.daemon.sessions import SessionTable  # noqa: E402
 from hisparse.shm.region import RegionGeometry  # noqa: E402
 from hisparse.shm.table import COMMITTED, RECORD_BYTES, MetaTable, TableHeader  # noqa: E402

@@ -29,7 +29,7 @@ from hisparse.daemon import config  # noqa: E402
 from hisparse.daemon.handlers import DaemonContext  # noqa: E402
 from hisparse.daemon.namespaces import Registry  # noqa: E402
 from hisparse.daemon.opstats import OpStats  # noqa: E402
-from hisparse.daemon.server import dispatch, finish  # noqa: E402
+from hisparse.daemon.dispatch import dispatch, finish  # noqa: E402
 from hisparse.daemon.sessions import SessionTable  # noqa: E402
 from hisparse.local import shm_base  # noqa: E402
 from hisparse.protocol import Op  # noqa: E402

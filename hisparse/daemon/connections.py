@@ -255,28 +255,31 @@ class ConnectionGuard:
     def recv(self, sock: zmq.Socket) -> tuple[bytes, list[bytes], list[bytes], str | None]:
         """One message: (identity, envelope, body frames, refusal of its connection or None).
 
-        A connection's first message is read as a zmq.Frame, for the kernel's
-        word on who sent it (``Peer-Address``) and its descriptor; later ones
-        as plain bytes, the cheaper read. Raises ``zmq.Again`` when none waits.
+        The frames after the identity are read as zmq.Frames: each says itself
+        whether another follows (no ``RCVMORE`` getsockopt, which costs more
+        than the frame), and a connection's first message tells the kernel's
+        word on who sent it (``Peer-Address``) and its descriptor. Raises
+        ``zmq.Again`` when none waits.
         """
-        identity = sock.recv(zmq.NOBLOCK)
+        recv = sock.recv
+        identity = recv(zmq.NOBLOCK)  # a ROUTER's message is its identity and at least one frame
         known = identity in self.limits.peers
         parts: list[bytes] = []
         refusal = None
-        while sock.getsockopt(zmq.RCVMORE):
-            if known:
-                parts.append(sock.recv())
-                continue
-            frame = sock.recv(copy=False)
-            fd = frame.get(zmq.SRCFD)
-            refusal = self.refusal_for(fd)
-            if refusal is None:
-                peer = self.limits.peer(identity, frame.get("Peer-Address"), fd)
-                known = True
-                if fd is not None and fd not in self.open and self.limits.in_large_backoff(peer.uid):
-                    refusal = self._backoff_refusal(peer.uid)  # read before its accept event
-                    self.refusing[fd] = (time.monotonic() + 0.05, "")
+        while True:
+            frame = recv(zmq.NOBLOCK, copy=False)  # the rest of the message is there already
+            if not known:
+                fd = frame.get(zmq.SRCFD)
+                refusal = self.refusal_for(fd)
+                if refusal is None:
+                    peer = self.limits.peer(identity, frame.get("Peer-Address"), fd)
+                    known = True
+                    if fd is not None and fd not in self.open and self.limits.in_large_backoff(peer.uid):
+                        refusal = self._backoff_refusal(peer.uid)  # read before its accept event
+                        self.refusing[fd] = (time.monotonic() + 0.05, "")
             parts.append(frame.bytes)
+            if not frame.more:
+                break
         # A DEALER sends [payload]; a REQ sends ["", payload]: answer in kind.
         if len(parts) == 2 and parts[0] == b"":
             return identity, [b""], parts[1:], refusal
@@ -300,8 +303,9 @@ class ConnectionGuard:
         return peer is not None and self.refusing.get(peer.fd, (0.0, None))[1] == ""
 
     def shed_invalid_large(self, identity: bytes) -> None:
-        """A frame over LARGE_FRAME_BYTES that is no request: no client sends one, so its
-        connection is shed (after this reply) and its uid backs off as a refused large sender."""
+        """A frame over LARGE_FRAME_BYTES that is no request at all (not msgpack, not a request
+        map): no client sends one, so its connection is shed (after this reply) and its uid
+        backs off as a refused large sender. A request with bad values is only refused."""
         peer = self.limits.peers.get(identity)
         if peer is None or peer.fd is None:
             return

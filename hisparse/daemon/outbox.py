@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 MAX_BACKLOG_BYTES = 4 << 20  # per peer, beyond what ZeroMQ's SNDHWM queue holds
 FLUSH_INTERVAL_S = 0.002
+_MORE, _LAST = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
 
 
 class Outbox:
@@ -48,8 +49,14 @@ class Outbox:
 
     def _try(self, frames: list[bytes]) -> bool:
         """True when sent or dropped for good; False when the peer's queue is full."""
+        send = self.sock.send
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            # Frame by frame with the flags as plain ints (send_multipart combines zmq's enum
+            # flags in Python on every frame). ROUTER_MANDATORY refuses at the identity frame:
+            # once that went, the rest go too.
+            for frame in frames[:-1]:
+                send(frame, _MORE)
+            send(frames[-1], _LAST)
             return True
         except zmq.Again:
             return False

@@ -1,11 +1,10 @@
 """The daemon's loop: a ZeroMQ ROUTER on an ``ipc://`` socket, driven by asyncio.
 
-``dispatch`` turns one request frame into one reply frame and never raises:
-a ``WireError`` becomes its typed error reply, anything else ``INTERNAL``
-plus a logged traceback. The loop around it reads the ROUTER from the
-event loop's reader callback (no future per message), sends without ever
-blocking (a client that stops reading loses its replies, not the daemon
-its time), and runs the timers: lease reaper, watchdog, eviction log.
+The loop reads the ROUTER from the event loop's reader callback (no future
+per message), serves what it read one request per uid in turn
+(``daemon.fairness``; each through ``daemon.dispatch``), sends without ever
+blocking (a client that stops reading loses its replies, not the daemon its
+time), and runs the timers: lease reaper, watchdog, eviction log.
 """
 
 from __future__ import annotations
@@ -22,10 +21,10 @@ from hisparse import protocol
 from hisparse.daemon import notify
 from hisparse.daemon.connections import ConnectionGuard
 from hisparse.daemon.fairness import FairQueue
-from hisparse.daemon.handlers import HANDLERS, DaemonContext, Deferred
+from hisparse.daemon.dispatch import dispatch, finish, serve_request
+from hisparse.daemon.handlers import DaemonContext
 from hisparse.daemon.limits import FD_RECOUNT_INTERVAL_S, LARGE_FRAME_BYTES, Limits, caps_of
 from hisparse.daemon.outbox import Outbox
-from hisparse.daemon.sweep import GATED_OPS
 from hisparse.protocol import ErrorCode, Op, WireError
 
 log = logging.getLogger(__name__)
@@ -43,94 +42,6 @@ SNDHWM_MESSAGES = 64
 # holds at most RCVHWM + 1 frames of this size in the daemon (queued, and one being read).
 MAX_WIRE_MESSAGE_BYTES = protocol.MAX_FRAME_BYTES
 CONNECTION_REQUEST_BYTES = (RCVHWM_MESSAGES + 1) * MAX_WIRE_MESSAGE_BYTES  # what libzmq may hold for one
-
-
-def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"",
-             on_invalid=None) -> bytes | tuple[int | None, Deferred]:
-    """One request frame from connection ``peer`` in, one reply frame out (or a ``Deferred``
-    to finish later). Decodes the frame once; ``on_invalid()`` when it is not a request.
-    Never raises."""
-    started_ns = time.perf_counter_ns()
-    ctx.requests_total += 1
-    try:
-        req = protocol.decode_request(frame)
-    except WireError as exc:  # the error carries the id when one was read: no second decode
-        ctx.opstats.observe("invalid", time.perf_counter_ns() - started_ns)
-        if on_invalid is not None:
-            on_invalid()
-        return _refusal(ctx, exc.rid, exc)
-    except Exception as exc:
-        return _internal(ctx, None, exc)
-    return serve_request(ctx, req, peer, started_ns)
-
-
-def serve_request(ctx: DaemonContext, req: protocol.Request, peer: bytes,
-                  started_ns: int) -> bytes | tuple[int | None, Deferred]:
-    """A decoded request's reply (or ``Deferred``). Never raises."""
-    ctx.peer = peer
-    rid = req.id
-    op = req.op._value_  # Enum's ``value`` is a property, ten times the cost
-    try:
-        session = None
-        if req.op not in protocol.SESSIONLESS_OPS:
-            session = ctx.sessions.get(req.session, peer)  # type: ignore[arg-type]
-            if session is None:
-                # Never echo the id: the reply goes to whoever sent it, maybe not its owner.
-                raise WireError(ErrorCode.UNKNOWN_SESSION,
-                                "no such session on this connection: it expired, closed, belongs "
-                                "to an earlier daemon or to another connection; send hello again")
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s id=%s session=%s", req.op.value, rid,
-                      session.handle if session else "-")
-        sweep = ctx.fence_sweep
-        if sweep is not None and req.op in GATED_OPS and sweep.running:  # pages wait for the sweep
-            body = sweep.after(lambda: HANDLERS[req.op](ctx, session, req),
-                               lambda: session is None or ctx.sessions.sessions.get(session.id) is session)
-        else:
-            body = HANDLERS[req.op](ctx, session, req)
-        if isinstance(body, Deferred):
-            # the request's latency runs until the work off the loop is done
-            body.future.add_done_callback(
-                lambda _, op=op: ctx.opstats.observe(op, time.perf_counter_ns() - started_ns))
-            return rid, body
-        reply = protocol.encode_ok(rid, body)
-        ctx.opstats.observe(op, time.perf_counter_ns() - started_ns)
-        return reply
-    except WireError as exc:
-        ctx.opstats.observe(op, time.perf_counter_ns() - started_ns)
-        return _refusal(ctx, rid, exc)
-    except Exception as exc:
-        return _internal(ctx, rid, exc)
-
-
-def finish(ctx: DaemonContext, rid: int | None, deferred: Deferred, future) -> bytes:
-    """The reply of a deferred request once its future is done. Never raises."""
-    try:
-        exc = future.exception() if not future.cancelled() else RuntimeError("cancelled")
-        if exc is not None:
-            wire = deferred.errors(exc)
-            if wire is None:
-                raise exc
-            raise wire
-        return protocol.encode_ok(rid, deferred.finish(future.result()))
-    except WireError as exc:
-        return _refusal(ctx, rid, exc)
-    except Exception as exc:
-        return _internal(ctx, rid, exc)
-
-
-def _refusal(ctx: DaemonContext, rid: int | None, exc: WireError) -> bytes:
-    ctx.errors_total += 1
-    ctx.opstats.error(exc.code.value)
-    log.debug("refused request id=%s: %s %s", rid, exc.code.value, exc.message)
-    return protocol.encode_error(rid, exc.code, exc.message)
-
-
-def _internal(ctx: DaemonContext, rid: int | None, exc: Exception) -> bytes:
-    ctx.errors_total += 1
-    ctx.opstats.error(ErrorCode.INTERNAL.value)
-    log.error("internal error handling request id=%s", rid, exc_info=exc)
-    return protocol.encode_error(rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
 class Server:
@@ -284,7 +195,7 @@ class Server:
         else:
             known = self.guard.limits.peers.get(identity)
             self.ctx.peer_address = known.address if known is not None else None
-            try:  # a large frame that is no request costs its sender the connection (backoff)
+            try:  # a large frame that is no request at all costs its sender the connection
                 result = dispatch(self.ctx, body[0], identity, None if len(body[0]) <= LARGE_FRAME_BYTES
                                   else lambda: self.guard.shed_invalid_large(identity))
             finally:
