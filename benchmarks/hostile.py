@@ -16,7 +16,8 @@ baseline measured in the same run:
 - then (``--bounds`` alone) the attacks on the daemon's bounds, each
   on a fresh daemon (``bounds_peer.py``): decode bombs, a hello flood,
   ``--connections`` connections sending 16 MiB and 4 MiB frames; for each,
-  ping p50/p99 and peak RSS vs the same daemon idle, and SIGTERM time.
+  ping p50/p99 and peak RSS vs the same daemon idle, and SIGTERM time
+  (``--attacker-uid N``: the attackers run as uid N, another tenant);
 - then tenants against each other (``hostile_tenants.py``: fence locks, quota
   bypass, namespace squatting, metrics, silent zero), alone with ``--tenants-only``.
 
@@ -130,6 +131,42 @@ def hostile_peers(socket_path: str, kinds: list[list[str]], script: str = PEER) 
             p.wait(10)
 
 
+@contextmanager
+def forked_bounds_peers(socket_path: str, kinds: list[list[str]], uid: int) -> Iterator[list[int]]:
+    """``bounds_peer.py``'s attacks in forked children running as ``uid`` (in the daemon's
+    group, as an engine of another tenant would be); each is flooding once this yields."""
+    pids, reads = [], []
+    os.chmod(os.path.dirname(socket_path), 0o755)  # the other uid reaches the socket by its group
+    for kind in kinds:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # no exec: the interpreter may not be readable by that uid
+            try:
+                os.close(r)
+                os.dup2(w, 1)
+                os.setgroups([])
+                os.setgid(os.getgid())
+                os.setuid(uid)
+                sys.path.insert(0, os.path.dirname(BOUNDS_PEER))
+                import bounds_peer
+                bounds_peer.main([socket_path, *kind])
+            finally:
+                os._exit(1)
+        os.close(w)
+        pids.append(pid)
+        reads.append(os.fdopen(r))
+    try:
+        for f in reads:
+            assert f.readline().strip() == "flooding"
+        yield pids
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        for f in reads:
+            f.close()
+
+
 def create_namespace_async(socket_path: str, capacity_bytes: int) -> tuple[threading.Thread, dict]:
     """Send a hello that creates a big namespace; the thread ends when its reply came."""
     out: dict = {}
@@ -161,7 +198,7 @@ BOUNDS_PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bounds_p
 
 
 def bounds_attacks(connections: list[int]) -> list[tuple[str, list[list[str]]]]:
-    """Issue 20 items 1-3: (name, bounds_peer.py kinds), each run against a fresh daemon."""
+    """(name, bounds_peer.py kinds) of the attacks on the bounds, each run on a fresh daemon."""
     attacks = [("decode bomb (3 MB pings of 1.5M arrays)", [["bomb"]]),
                ("hello flood (100 a connection)", [["hellos"]])]
     for n in connections:
@@ -170,14 +207,15 @@ def bounds_attacks(connections: list[int]) -> list[tuple[str, list[list[str]]]]:
     return attacks
 
 
-def run_bounds_attack(name: str, kinds: list[list[str]], seconds: float) -> None:
+def run_bounds_attack(name: str, kinds: list[list[str]], seconds: float, uid: int | None = None) -> None:
     """One attack on its own daemon: ping vs idle, peak RSS vs idle, SIGTERM time under it."""
     with start_daemon("512MiB", extra=("--log-level", "WARNING")) as d:
         wb = WellBehaved(d.socket)
         pings, lookups = wb.round_trips(seconds)
         idle = (percentile(pings, 50), percentile(pings, 99), peak_rss_bytes(d.pid))
         reset_peak_rss(d.pid)
-        with hostile_peers(d.socket, kinds, BOUNDS_PEER):
+        with (hostile_peers(d.socket, kinds, BOUNDS_PEER) if uid is None
+              else forked_bounds_peers(d.socket, kinds, uid)):
             pings, lookups = wb.round_trips(seconds)
             rss = peak_rss_bytes(d.pid)
             t0 = time.monotonic()
@@ -190,11 +228,12 @@ def run_bounds_attack(name: str, kinds: list[list[str]], seconds: float) -> None
               f"{format_size(idle[2]):>10} {format_size(rss):>10} {stop_s:>6.2f}s exit {d.proc.returncode}")
 
 
-def bounds_main(seconds: float, connections: list[int]) -> None:
-    print(f"{'attack (issue 20, 1-3)':<34} {'ping p50 idle':>13} {'attack':>7} {'p99 idle':>8} "
+def bounds_main(seconds: float, connections: list[int], uid: int | None = None) -> None:
+    who = "attackers as the probe's uid" if uid is None else f"attackers as uid {uid}"
+    print(f"{'attack (' + who + ')':<34} {'ping p50 idle':>13} {'attack':>7} {'p99 idle':>8} "
           f"{'attack':>7} {'pings':>6} {'RSS idle':>10} {'peak':>10} {'SIGTERM':>7}")
     for name, kinds in bounds_attacks(connections):
-        run_bounds_attack(name, kinds, seconds)
+        run_bounds_attack(name, kinds, seconds, uid)
 
 
 def main() -> int:
@@ -206,10 +245,12 @@ def main() -> int:
     p.add_argument("--bounds", action="store_true", help="only the attacks on the daemon's bounds")
     p.add_argument("--connections", default="48,96", help="connection counts of the large-frame attack")
     p.add_argument("--tenants-only", action="store_true", help="only the tenant attacks (4-8)")
+    p.add_argument("--attacker-uid", type=int, default=None,
+                   help="run the bounds attackers as this uid (needs root): another tenant")
     args = p.parse_args()
     if args.bounds or args.tenants_only:
         if args.bounds:
-            bounds_main(args.seconds, [int(n) for n in args.connections.split(",")])
+            bounds_main(args.seconds, [int(n) for n in args.connections.split(",")], args.attacker_uid)
         if args.tenants_only:
             run_tenant_attacks(args.seconds)
         return 0

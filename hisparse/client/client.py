@@ -177,7 +177,7 @@ class Client:
         """``(local, remote)``: leading keys committed here, then how many after them the
         daemon's cluster tier holds (0 without one). ``wait=False`` answers at once from what
         the daemon already knows and lets it ask the cluster meanwhile. Looks at the first
-        ``MAX_KEYS_PER_REQUEST`` keys (65,536)."""
+        ``MAX_KEYS_PER_REQUEST`` keys (16,384)."""
         keys = check_keys(keys, "lookup_remote")[:MAX_KEYS_PER_REQUEST]
         body = self._call(Op.LOOKUP, keys=keys, remote=True, wait=wait)[0]
         local = int(body["count"])

@@ -51,6 +51,7 @@ STORM_WINDOW_S = 1.0
 MAX_REFUSALS_PER_S = 64
 STORM_CLOSE_S = 1.0
 LOG_INTERVAL_S = 5.0
+MAX_EVENTS_PER_READ = 256  # monitor events handled per call; more are read in the next one
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -115,7 +116,7 @@ class ConnectionGuard:
         """Read every pending monitor event, then act on what is still open; True when more
         are queued already."""
         accepted: list[int] = []
-        while True:
+        for _ in range(MAX_EVENTS_PER_READ):  # a storm of them must not hold the loop
             try:
                 event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
