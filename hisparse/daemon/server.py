@@ -159,11 +159,11 @@ class Server:
                     if refusal != "":  # "": its connection was told why, once; being shed
                         peer = guard.limits.peers.get(identity)
                         fair.put(peer.uid if peer is not None else None,
-                                 (identity, envelope, body, refusal), size)
+                                 (self._handle, identity, envelope, body, refusal), size)
                 if not fair.count:
                     break
-                for item in fair.round():
-                    self._handle(*item)
+                for fn, *args in fair.round():
+                    fn(*args)
                 if time.monotonic() > deadline:
                     break
                 more = True  # a backlog: what arrived meanwhile joins the next round
@@ -200,13 +200,25 @@ class Server:
                                   else lambda: self.guard.shed_invalid_large(identity))
             finally:
                 self.ctx.peer_address = None
-            if isinstance(result, tuple):
+            if isinstance(result, tuple):  # its reply is finished in the owner's turn too
                 rid, deferred = result
                 deferred.future.add_done_callback(
-                    lambda f: self._send([identity, *envelope, finish(self.ctx, rid, deferred, f)]))
+                    lambda f: self._queue_finish(identity, envelope, rid, deferred, f))
                 return
             reply = result
         self._send([identity, *envelope, reply])
+
+    def _queue_finish(self, identity: bytes, envelope: list[bytes], rid, deferred, future) -> None:
+        """A deferred request's work is done: its reply is finished (a hello's session opened,
+        say) in its uid's turn, not all at once (a namespace's creation frees many)."""
+        peer = self.guard.limits.peers.get(identity)
+        self.fair.put(peer.uid if peer is not None else None,
+                      (self._finish, identity, envelope, rid, deferred, future), 0)
+        if not self._reading:
+            asyncio.get_running_loop().call_soon(self._on_readable)
+
+    def _finish(self, identity: bytes, envelope: list[bytes], rid, deferred, future) -> None:
+        self._send([identity, *envelope, finish(self.ctx, rid, deferred, future)])
 
     def _send(self, frames: list[bytes]) -> None:
         self.outbox.send(frames)
@@ -215,8 +227,11 @@ class Server:
 
     def _drain(self) -> None:
         """Answer what is already queued before closing (SIGTERM drains)."""
-        for identity, envelope, body, _ in self.fair.drain():
-            self._handle_draining([identity, *envelope, *body])
+        for fn, identity, envelope, *rest in self.fair.drain():
+            if fn == self._finish:
+                fn(identity, envelope, *rest)  # its work is done: the reply goes
+            else:
+                self._handle_draining([identity, *envelope, *rest[0]])
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             try:
