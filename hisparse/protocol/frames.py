@@ -13,36 +13,49 @@ from hisparse.layout import KVLayout
 from hisparse.protocol.codes import (
     MAX_FRAME_BYTES, MAX_KEYS_PER_REQUEST, VERSION, ErrorCode, Op, WireError, error_for_code,
 )
-from hisparse.protocol.scan import MAX_BIN_BYTES, MAX_FIELDS, MAX_STR_BYTES, SCAN_ABOVE_BYTES, scan_request
+from hisparse.protocol.scan import MAX_BIN_BYTES, MAX_FIELDS, MAX_STR_BYTES, needs_scan, scan_frame
 
 KEY_FIELDS = ("keys", "as_keys")  # fields that carry lists of keys
 
 
-# msgpack's per-container limits, the same for every request: no list longer
-# than a request may carry, no map wider than a request, no string longer
-# than any field needs, no bin much longer than a key, no ext at all.
-_UNPACK_LIMITS = dict(max_array_len=MAX_KEYS_PER_REQUEST, max_map_len=MAX_FIELDS,
-                      max_str_len=MAX_STR_BYTES, max_bin_len=MAX_BIN_BYTES, max_ext_len=0)
+# msgpack's per-container limits, the same for every request: no map wider
+# than a request, no string longer than any field needs, no bin much longer
+# than a key, no ext at all; and (``unpack_request``) no list longer than a
+# request may carry or than the frame has bytes, as msgpack allocates a
+# list's slots on reading its header.
+_UNPACK_LIMITS = dict(max_map_len=MAX_FIELDS, max_str_len=MAX_STR_BYTES, max_bin_len=MAX_BIN_BYTES,
+                      max_ext_len=0)
 
 
 def unpack_map(frame: bytes) -> dict[str, Any]:
     """Decode a request frame once, within the protocol's bounds; raises ``WireError``.
 
-    A frame over ``SCAN_ABOVE_BYTES`` is scanned first (``scan.scan_request``),
-    so no frame costs the loop more than a few milliseconds. The error
-    carries the request's id when one was read.
+    A frame over ``SCAN_ABOVE_BYTES`` (or one with room for many array
+    headers: ``scan.needs_scan``) is scanned first (``scan.scan_frame``), so
+    no frame costs the loop more than a few milliseconds. The error carries
+    the request's id when one was read.
     """
+    return unpack_request(frame)[0]
+
+
+_NOTHING_PROVEN: frozenset[str] = frozenset()
+
+
+def unpack_request(frame: bytes) -> tuple[dict[str, Any], frozenset[str]]:
+    """``unpack_map``, and the list fields the scan proved valid (``scan.scan_frame``): the
+    decoder need not check their items again. Nothing is proven of an unscanned frame."""
     if not frame:
         raise WireError(ErrorCode.PROTOCOL_ERROR, "empty frame")
-    rid = scan_request(frame) if len(frame) > SCAN_ABOVE_BYTES else None
+    rid, proven = scan_frame(frame) if needs_scan(frame) else (None, _NOTHING_PROVEN)
     try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True, **_UNPACK_LIMITS)
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
+                              max_array_len=min(MAX_KEYS_PER_REQUEST, len(frame)), **_UNPACK_LIMITS)
     except Exception as exc:  # msgpack raises several unrelated types
         raise WireError(ErrorCode.PROTOCOL_ERROR, f"not msgpack within the protocol's limits: "
                         f"{type(exc).__name__}", rid=rid) from None
     if not isinstance(msg, dict):
         raise WireError(ErrorCode.PROTOCOL_ERROR, f"a frame must be a map, not {type(msg).__name__}")
-    return msg
+    return msg, proven
 
 
 def request_id(frame: bytes) -> int | None:
