@@ -33,11 +33,12 @@ import socket
 import struct
 import time
 from collections import Counter
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from hisparse.daemon.limits import FDS_PER_CONNECTION, Limits
+from hisparse.daemon.limits import CAP_KEYS, FDS_PER_CONNECTION, Limits
 
 log = logging.getLogger(__name__)
 
@@ -268,8 +269,11 @@ class ConnectionGuard:
             self._count_refusal()  # shed senders reconnect: a storm of them closes the door
         return refusal
 
-    def stats(self) -> dict[str, int]:
-        return {"connections": len(self.open), "connections_refused": sum(self.refused.values())}
+    def stats(self) -> dict[str, Any]:
+        """Open connections, and refusals: of connections, and of anything by cap (every cap
+        key, 0 included; ``fd_headroom`` counts connections and sessions refused for descriptors)."""
+        return {"connections": len(self.open), "connections_refused": sum(self.refused.values()),
+                "cap_refusals": {key: self.refused[key] + self.limits.refused[key] for key in CAP_KEYS}}
 
     def close(self) -> None:
         """Stop the monitor, then close its socket. In this order: libzmq's I/O thread sends
