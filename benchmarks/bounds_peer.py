@@ -54,9 +54,15 @@ def largest_frames() -> list[tuple[str, bytes]]:
         ("unpin 16,384 pages of 1-5 B", protocol.encode_request(Op.UNPIN, 7, session=3, pages=pages)),
         ("3 lists of 16,384 1-B strings", protocol.encode_request(
             Op.PUBLISH, 7, session=3, keys=["x"] * n, as_keys=["x"] * n, pages=["x"] * n)),
-        ("8 KiB of nested array headers", bytes([head[0] + 1]) + head[1:] + msgpack.packb("keys")
-         + b"\xdc\x40\x00" * 2700),
+        ("8 KiB of nested 16,384-item headers", nested(head, 16_384)),
+        ("8 KiB of nested 256-item headers", nested(head, 256)),
     ]
+
+
+def nested(head: bytes, items: int) -> bytes:
+    """A ping with 8 KiB of array headers, each the first item of the one before: msgpack allocates
+    each one's slots as it reads it."""
+    return bytes([head[0] + 1]) + head[1:] + msgpack.packb("keys") + (b"\xdc" + items.to_bytes(2, "big")) * 2700
 
 
 def dealer(socket_path: str) -> zmq.Socket:

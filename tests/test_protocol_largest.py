@@ -11,7 +11,7 @@ import pytest
 
 from hisparse import protocol
 from hisparse.protocol import ErrorCode, Op, WireError
-from hisparse.protocol.scan import needs_scan, scan_frame
+from hisparse.protocol.scan import UNSCANNED_LIST_ITEMS, scan_frame
 
 N = protocol.MAX_KEYS_PER_REQUEST
 V = protocol.VERSION
@@ -93,18 +93,23 @@ def test_a_truncated_key_list_is_refused_with_its_id():
         assert exc.code is ErrorCode.PROTOCOL_ERROR and exc.rid == 14, exc.message
 
 
-def test_small_frames_of_nested_array_headers_are_scanned_not_decoded():
+def test_small_frames_of_nested_array_headers_are_refused_by_the_scan():
     # msgpack allocates each list's slots on its header: ~680 nested ones in 2 KiB cost ~15 ms
     head = msgpack.packb({"v": V, "id": 15, "op": "ping"})
     for size in (2 << 10, 8 << 10):
-        body = b"\xdc" + (size - 64).to_bytes(2, "big")
-        frame = bytes([head[0] + 1]) + head[1:] + msgpack.packb("padding") + body * ((size - 64) // 3)
-        assert needs_scan(frame)
-        exc = refusal(frame)
-        assert exc.code is ErrorCode.PROTOCOL_ERROR and "refused unread" in exc.message and exc.rid == 15
-    # an ordinary lookup of that size is not scanned, whatever bytes its keys hold
-    keys = [bytes([0xdc, 0xdd]) * 18 for _ in range(64)]
-    small = protocol.encode_request(Op.LOOKUP, 16, session=4, keys=keys[:20])
-    assert len(small) <= 1024 and not needs_scan(small)
-    assert protocol.decode_request(small).keys == tuple(keys[:20])
-    assert protocol.decode_request(protocol.encode_request(Op.LOOKUP, 16, session=4, keys=keys)).keys == tuple(keys)
+        for header in (b"\xdc" + (size - 64).to_bytes(2, "big"), b"\xdd" + (size - 64).to_bytes(4, "big"),
+                       b"\xdc" + UNSCANNED_LIST_ITEMS.to_bytes(2, "big")):
+            frame = bytes([head[0] + 1]) + head[1:] + msgpack.packb("padding") + header * ((size - 64) // 5)
+            exc = refusal(frame)
+            assert exc.code is ErrorCode.PROTOCOL_ERROR and "refused unread" in exc.message and exc.rid == 15
+
+
+@pytest.mark.parametrize("n", [UNSCANNED_LIST_ITEMS, UNSCANNED_LIST_ITEMS + 1, 500])
+def test_small_frames_with_longer_lists_decode_through_the_scan(n):
+    keys = [bytes([0xdc, 0xdd, i % 256]) * 4 for i in range(n)]  # payloads like array headers
+    frame = protocol.encode_request(Op.LOOKUP, 16, session=4, keys=keys)
+    assert len(frame) <= 8 << 10
+    assert protocol.decode_request(frame).keys == tuple(keys)
+    pages = list(range(n * 5))
+    assert protocol.decode_request(protocol.encode_request(Op.UNPIN, 17, session=4, pages=pages)).pages == \
+        tuple(pages)

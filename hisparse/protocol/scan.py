@@ -21,13 +21,13 @@ C-speed slices where it can, without creating a Python object per element:
 
 A frame that passes is decoded once, by msgpack with the same limits
 (``frames.unpack_map``), in time proportional to its few objects. Frames
-up to ``SCAN_ABOVE_BYTES`` are decoded directly unless ``needs_scan`` finds
-room in them for many 16- or 32-bit array headers: msgpack allocates a
-list's slots when it reads its header, before any item, so ~680 nested
-headers in 2 KiB cost ~15 ms (2,700 in 8 KiB ~100 ms and tens of MiB)
-before it fails. The scan returns the request's ``id`` when it saw one, so
-even a refused frame gets an addressed reply, and the list fields it proved
-to be valid keys or page ids.
+up to ``SCAN_ABOVE_BYTES`` are decoded directly with lists of at most
+``UNSCANNED_LIST_ITEMS`` items, and scanned only when that fails: msgpack
+allocates a list's slots when it reads its header, before any item, so with
+lists of up to 16,384 items ~680 nested headers in 2 KiB cost ~15 ms before
+it fails (2,700 in 8 KiB ~100 ms and tens of MiB); of 256, ~2 ms. The scan returns the request's ``id`` when it saw one, so even
+a refused frame gets an addressed reply, and the list fields it proved to be
+valid keys or page ids.
 """
 
 from __future__ import annotations
@@ -42,12 +42,11 @@ MAX_DEPTH = 3  # request map -> layout map -> its values
 MAX_BIN_BYTES = 256  # any bin; a key over MAX_KEY_BYTES (64) still decodes, so requests.py names it
 LIST_FIELDS = frozenset({"keys", "as_keys", "pages"})
 PAGE_FIELD = "pages"
-# Frames up to SCAN_ABOVE_BYTES are scanned anyway when their 0xdc/0xdd bytes (each a possible
-# array16/32 header) times the frame's size passes this: a header makes msgpack allocate 8 B a
-# declared slot (``max_array_len`` caps it at the frame's size) before reading an item. Frames
-# up to COUNT_ABOVE_BYTES are not counted (a count is ~1 us a KiB): the worst costs ~2 ms.
-PREALLOC_BOUND = 256 << 10
-COUNT_ABOVE_BYTES = 1024
+# Lists of a frame decoded unscanned hold at most this many items (a longer one sends the frame
+# to the scan, ~10 us more): each of up to 1,024 nested headers makes msgpack allocate 8 B a
+# slot before it reads an item, so the worst 8 KiB costs ~2 ms here (~100 ms at 16,384). An
+# 8 KiB lookup holds ~215 keys of 36 B: the usual requests stay off the scan.
+UNSCANNED_LIST_ITEMS = 256
 
 # Byte sizes of the fixed-width scalars: type byte -> payload bytes after it.
 _FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8,
@@ -292,14 +291,6 @@ class _Walker:
             return False
         self.pos = end
         return True
-
-
-def needs_scan(frame: bytes) -> bool:
-    """Whether a frame is scanned before msgpack sees it (see the module's docstring)."""
-    size = len(frame)
-    if size <= COUNT_ABOVE_BYTES:
-        return False
-    return size > SCAN_ABOVE_BYTES or (frame.count(0xdc) + frame.count(0xdd)) * size > PREALLOC_BOUND
 
 
 def scan_request(frame: bytes) -> int | None:
