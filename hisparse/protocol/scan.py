@@ -69,6 +69,8 @@ def _steps() -> list[int]:
 
 
 _STEP = _steps()
+# Bytes a bin8 item takes, by its length byte, where it is a key's length (0: it is not).
+_KEY_STEP = [2 + size if MIN_KEY_BYTES <= size <= MAX_KEY_BYTES else 0 for size in range(256)]
 
 
 def _refuse(message: str, rid: int | None) -> WireError:
@@ -232,15 +234,15 @@ class _Walker:
 
     def _key_run(self, n: int) -> int:
         """How many of the next n items are keys (bin8 of MIN- to MAX_KEY_BYTES): one tight pass."""
-        b, pos, i = self.b, self.pos, 0
+        b, pos, i, steps = self.b, self.pos, 0, _KEY_STEP
         try:
             for i in range(n):
                 if b[pos] != _BIN8:
                     break
-                size = b[pos + 1]
-                if not MIN_KEY_BYTES <= size <= MAX_KEY_BYTES:
+                step = steps[b[pos + 1]]
+                if not step:
                     break
-                pos += 2 + size
+                pos += step
             else:
                 i = n
         except IndexError:
