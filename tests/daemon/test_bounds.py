@@ -122,15 +122,23 @@ def test_caps_set_by_flag_count_their_refusals_in_metrics_and_stats(daemon_facto
     m = _refusals(address)
     assert all(m[f"{cap}:hisparse_cap_refusals_total"] == 0 for cap in CAP_KEYS), m
     assert m["max_connections:hisparse_cap_limit"] == 3 and m["max_sessions:hisparse_cap_limit"] == 2048
-    a, b, c, e = (RawClient(d.socket) for _ in range(4))
+    wait_for(lambda: _refusals(address)["hisparse_connections_open"] == 0, "the ready probe's end")
+    a, b, c = (RawClient(d.socket) for _ in range(3))
+    e = None
     try:
         hellos = [a.request(Op.HELLO, namespace="ns", layout=LAYOUT, capacity_bytes=CAP) for _ in range(3)]
         assert "max_sessions_per_connection (2)" in hellos[2].error_message
         a.session = hellos[0].ok["session"]
         assert b.request(Op.HELLO, namespace="ns", layout=LAYOUT, capacity_bytes=CAP).ok
         assert "max_sessions_per_uid (3)" in b.request(Op.HELLO, namespace="ns", layout=LAYOUT).error_message
-        assert c.call(Op.PING)  # the third connection; the fourth is one too many
-        assert "max_connections (3)" in e.send_raw(protocol.encode_request(Op.PING, 1)).error_message
+        for client in (a, b, c):  # all three admitted before a fourth connects
+            assert client.call(Op.PING)
+        e = RawClient(d.socket, timeout_s=1)
+
+        def refused() -> bool:  # a request read before the guard saw the connection is served
+            reply = e.send_raw(protocol.encode_request(Op.PING, 1))
+            return reply is not None and "max_connections (3)" in (reply.error_message or "")
+        wait_for(refused, "the fourth connection refused by max_connections")
         # two large senders at once: 2 x 12 MiB (what libzmq may hold for each) is past the cap
         big = protocol.encode_request(Op.PING, 2, padding=b"x" * 200, keys=[b"k" * 32] * 9000)
         assert a.send_raw(big).ok  # admitted: a ping answers whatever else it carries
@@ -158,7 +166,8 @@ def test_caps_set_by_flag_count_their_refusals_in_metrics_and_stats(daemon_facto
         assert "/3 connections" in line and "refused: max_sessions_per_connection 1, max_sessions_per_uid 1" in line
     finally:
         for client in (a, b, c, e):
-            client.close()
+            if client is not None:
+                client.close()
 
 
 FLOOD = """
