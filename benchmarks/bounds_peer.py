@@ -11,6 +11,7 @@ has started, so a caller can wait for it. Used by ``benchmarks/hostile.py``.
 from __future__ import annotations
 
 import os
+import random
 import sys
 import time
 
@@ -31,6 +32,37 @@ def bomb_frame(size: int = 3 << 20) -> bytes:
     n = size // len(inner)
     head = msgpack.packb({"v": protocol.VERSION, "id": 1, "op": "ping"})
     return bytes([head[0] + 1]) + head[1:] + msgpack.packb("keys") + b"\xdc" + n.to_bytes(2, "big") + inner * n
+
+
+def largest_frames() -> list[tuple[str, bytes]]:
+    """The most expensive frames to decode, legal and not: (name, frame). Seeded: the same each run."""
+    rng = random.Random(20)
+    n = protocol.MAX_KEYS_PER_REQUEST
+
+    def keys(lo: int, hi: int) -> list[bytes]:
+        return [rng.randbytes(rng.randint(lo, hi)) for _ in range(n)]
+
+    def publish(lo: int, hi: int) -> bytes:
+        return protocol.encode_request(Op.PUBLISH, 7, session=3, keys=keys(lo, hi), as_keys=keys(lo, hi), pin=True)
+
+    pages = [rng.choice((rng.randrange(128), rng.randrange(1 << 16), rng.randrange(1 << 31))) for _ in range(n)]
+    head = msgpack.packb({"v": protocol.VERSION, "id": 7, "op": "ping"})
+    return [
+        ("publish 2x16,384 keys of 1-64 B", publish(1, protocol.MAX_KEY_BYTES)),
+        ("publish 2x16,384 keys of 64 B", publish(protocol.MAX_KEY_BYTES, protocol.MAX_KEY_BYTES)),
+        ("lookup 16,384 keys of 36 B", protocol.encode_request(Op.LOOKUP, 7, session=3, keys=keys(36, 36))),
+        ("unpin 16,384 pages of 1-5 B", protocol.encode_request(Op.UNPIN, 7, session=3, pages=pages)),
+        ("3 lists of 16,384 1-B strings", protocol.encode_request(
+            Op.PUBLISH, 7, session=3, keys=["x"] * n, as_keys=["x"] * n, pages=["x"] * n)),
+        ("8 KiB of nested 16,384-item headers", nested(head, 16_384)),
+        ("8 KiB of nested 256-item headers", nested(head, 256)),
+    ]
+
+
+def nested(head: bytes, items: int) -> bytes:
+    """A ping with 8 KiB of array headers, each the first item of the one before: msgpack allocates
+    each one's slots as it reads it."""
+    return bytes([head[0] + 1]) + head[1:] + msgpack.packb("keys") + (b"\xdc" + items.to_bytes(2, "big")) * 2700
 
 
 def dealer(socket_path: str) -> zmq.Socket:

@@ -13,6 +13,11 @@ baseline measured in the same run:
 - creation: another namespace of ``--big-namespace`` is created (its region
   allocated) meanwhile;
 - SIGTERM under the flood: seconds until the daemon has exited;
+- then (``--bounds`` alone, ``--decode`` for only this table) the decode
+  cost of the largest frames (``bounds_peer.largest_frames``), in-process:
+  ``protocol.decode_request`` (scan, decode, validation) beside
+  ``msgpack.unpackb`` of the same frame (the floor), timed in alternating turns
+  (p50 and best: on a shared machine the best of each is the steadier ratio);
 - then (``--bounds`` alone) the attacks on the daemon's bounds, each
   on a fresh daemon (``bounds_peer.py``): decode bombs, a hello flood,
   ``--connections`` connections sending 16 MiB and 4 MiB frames; for each,
@@ -37,6 +42,7 @@ import time
 from contextlib import contextmanager
 from collections.abc import Iterator
 
+import msgpack
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -228,6 +234,37 @@ def run_bounds_attack(name: str, kinds: list[list[str]], seconds: float, uid: in
               f"{format_size(idle[2]):>10} {format_size(rss):>10} {stop_s:>6.2f}s exit {d.proc.returncode}")
 
 
+def decode_table(reps: int) -> None:
+    """What one frame costs the loop to decode and validate, beside msgpack.unpackb of it."""
+    from benchmarks.bounds_peer import largest_frames
+
+    def once(fn, frame: bytes) -> float:
+        t0 = time.perf_counter()
+        try:
+            fn(frame)
+        except Exception:  # refused frames are timed to their refusal
+            pass
+        return time.perf_counter() - t0
+
+    print(f"{'largest frames':<36} {'bytes':>9} {'decode ms p50':>13} {'best':>6} {'max':>7} "
+          f"{'unpackb p50':>11} {'best':>6} {'ratio p50':>9} {'best':>6}  reply")
+    for name, frame in largest_frames():
+        ours: list[float] = []
+        floor: list[float] = []
+        for _ in range(reps):  # alternating turns: both see the same machine
+            ours.append(once(protocol.decode_request, frame))
+            floor.append(once(msgpack.unpackb, frame))
+        try:
+            protocol.decode_request(frame)
+            reply = "ok"
+        except protocol.WireError as exc:
+            reply = exc.code.value
+        print(f"{name:<36} {len(frame):>9,d} {1e3 * percentile(ours, 50):>13.2f} {1e3 * min(ours):>6.2f} "
+              f"{1e3 * max(ours):>7.2f} {1e3 * percentile(floor, 50):>11.2f} {1e3 * min(floor):>6.2f} "
+              f"{percentile(ours, 50) / percentile(floor, 50):>9.2f} {min(ours) / min(floor):>6.2f}  {reply}")
+    print()
+
+
 def bounds_main(seconds: float, connections: list[int], uid: int | None = None) -> None:
     who = "attackers as the probe's uid" if uid is None else f"attackers as uid {uid}"
     print(f"{'attack (' + who + ')':<34} {'ping p50 idle':>13} {'attack':>7} {'p99 idle':>8} "
@@ -247,9 +284,15 @@ def main() -> int:
     p.add_argument("--tenants-only", action="store_true", help="only the tenant attacks (4-8)")
     p.add_argument("--attacker-uid", type=int, default=None,
                    help="run the bounds attackers as this uid (needs root): another tenant")
+    p.add_argument("--decode", action="store_true", help="only the decode cost of the largest frames")
+    p.add_argument("--reps", type=int, default=30, help="turns of each frame in the decode table")
     args = p.parse_args()
+    if args.decode:
+        decode_table(args.reps)
+        return 0
     if args.bounds or args.tenants_only:
         if args.bounds:
+            decode_table(args.reps)
             bounds_main(args.seconds, [int(n) for n in args.connections.split(",")], args.attacker_uid)
         if args.tenants_only:
             run_tenant_attacks(args.seconds)
@@ -293,6 +336,7 @@ def main() -> int:
             d.proc.wait(60)
             print(f"SIGTERM under the flood: exited {d.proc.returncode} in {time.monotonic() - t0:.2f}s")
     print()
+    decode_table(args.reps)
     bounds_main(args.seconds, [int(n) for n in args.connections.split(",")])
     run_tenant_attacks(args.seconds)
     return 0

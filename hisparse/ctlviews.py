@@ -40,8 +40,22 @@ def daemon_lines(stats: dict[str, Any]) -> list[str]:
         f"regions: capacity {format_size(d['capacity_bytes'])}, "
         f"used {format_size(d['allocated_bytes'])}, free {format_size(d['unallocated_bytes'])}, "
         f"evictions {d['evicted_pages']}",
+        *format_caps(d),
         format_cluster(d.get("cluster") or {"backend": "none"}),
     ]
+
+
+def format_caps(d: dict[str, Any]) -> list[str]:
+    """What the caps count now, and their refusals by key ([] when the stats carry none)."""
+    caps = d.get("caps")
+    if not caps:
+        return []
+    refused = ", ".join(f"{key} {n}" for key, n in d.get("cap_refusals", {}).items() if n) or "none"
+    return [f"caps: {d['connections']}/{caps['max_connections']} connections, "
+            f"{d['sessions'] + d['control_sessions']}/{caps['max_sessions']} sessions, "
+            f"{d['fds_in_use']}/{d['fd_budget']} descriptors (RLIMIT_NOFILE {d['fd_limit']}), "
+            f"{format_size(d['request_bytes_in_flight'])}/{format_size(caps['max_request_bytes_in_flight'])}"
+            f" large requests in flight; refused: {refused}"]
 
 
 def format_cluster(c: dict[str, Any]) -> str:

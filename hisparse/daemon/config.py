@@ -299,5 +299,10 @@ def reload(current: Config) -> Config:
     return replace(current, **{name: getattr(fresh_cfg, name) for name in RELOADABLE})
 
 
+def flag_keys() -> tuple[str, ...]:
+    """The keys ``hisparsed`` takes as flags: every one, as ``--`` and its name dashed."""
+    return tuple(_KEYS)
+
+
 def field_names() -> list[str]:
     return [f.name for f in fields(Config)]

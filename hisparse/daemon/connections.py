@@ -33,12 +33,13 @@ import socket
 import struct
 import time
 from collections import Counter
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from hisparse.daemon.door import DoorWatch
-from hisparse.daemon.limits import FDS_PER_CONNECTION, Limits
+from hisparse.daemon.limits import CAP_KEYS, FDS_PER_CONNECTION, Limits
 
 log = logging.getLogger(__name__)
 
@@ -315,8 +316,12 @@ class ConnectionGuard:
         self.refusing[peer.fd] = (time.monotonic() + 0.05, "")
         self._count_refusal()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
+        """Open connections, and refusals: of connections, and of anything by cap (every cap
+        key, 0 included; ``fd_headroom`` counts connections and sessions refused for descriptors),
+        and how often the socket's door was shut."""
         return {"connections": len(self.open), "connections_refused": sum(self.refused.values()),
+                "cap_refusals": {key: self.refused[key] + self.limits.refused[key] for key in CAP_KEYS},
                 "socket_closures": self.door_closures}
 
     def close(self) -> None:

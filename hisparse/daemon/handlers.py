@@ -268,22 +268,27 @@ def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) ->
             pages.append(-1)
             continue
         del session.reservations[key]
-        session.tags.settled((key,))
         index.rename(key, new_key, page)
         index.commit(new_key, page)
         done.append((new_key, page))
-        if req.pin:
-            # Pinned before the reservation's fence record goes: the page stays fenced.
-            index.pin((new_key,))
-            session.fence.add_pins([page])  # type: ignore[union-attr]
+        pages.append(page)
+    # The holds in one call each (a per-page numpy call cost ~5 us: 16,384 of them ~100 ms).
+    session.tags.settled([key for key, page in zip(req.keys, pages) if page >= 0])
+    published = [page for _, page in done]
+    if req.pin and published:
+        # Pinned before the reservations' fence records go: the pages stay fenced.
+        index.pin_pages(published)
+        session.fence.add_pins(published)  # type: ignore[union-attr]
+        first: list[int] = []
+        for new_key, page in done:
             hold = session.pins.get(page)
             if hold is None:
                 session.pins[page] = PinHold(new_key, 1)
-                ctx.sessions.note_pins(session.owner.key, ns.name, [page], [])
+                first.append(page)
             else:
                 hold.count += 1
-        session.fence.clear_reserved([page])  # type: ignore[union-attr]
-        pages.append(page)
+        ctx.sessions.note_pins(session.owner.key, ns.name, first, [])
+    session.fence.clear_reserved(published)  # type: ignore[union-attr]
     if ctx.cluster is not None and done:
         ctx.cluster.committed(ns, done)  # published pages go behind to the cluster like any commit
     return {"pages": pages}

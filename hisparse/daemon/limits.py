@@ -41,7 +41,8 @@ import os
 import resource
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from hisparse.protocol import ErrorCode, WireError
 
@@ -115,6 +116,10 @@ class Caps:
     max_request_bytes_in_flight: int
 
 
+CAP_KEYS = tuple(f.name for f in fields(Caps))  # each a config key; refusals are counted by it
+SESSION_CAP_KEYS = ("max_sessions_per_connection", "max_sessions_per_uid", "max_sessions", "fd_headroom")
+
+
 def caps_of(cfg) -> Caps:
     """The caps a ``Config`` sets."""
     return Caps(cfg.max_sessions, cfg.max_sessions_per_connection, cfg.max_sessions_per_uid,
@@ -136,6 +141,7 @@ class Limits:
         self._counted_s = time.monotonic()
         self.refused: Counter[str] = Counter()  # limit name -> refusals
         self.large_backoff: dict[int | None, tuple[float, float]] = {}  # uid -> (until, length)
+        self.large_sender_bytes = 0  # what libzmq may hold for one large sender (admit_large_frame)
 
     # -- file descriptors --
 
@@ -198,6 +204,7 @@ class Limits:
         not buy it room (1 s, doubling while it keeps trying, at most 8 s).
         """
         now = time.monotonic()
+        self.large_sender_bytes = per_connection_bytes
         peer = self.peer(identity)
         if peer.large_until_s > now:
             peer.large_until_s = now + LARGE_SENDER_S
@@ -287,7 +294,16 @@ class Limits:
         self.refused[key] += 1
         raise WireError(ErrorCode.QUOTA_EXCEEDED, f"hello refused: {key} ({limit}) reached: {detail}")
 
-    def stats(self) -> dict[str, int]:
+    def request_bytes_in_flight(self) -> int:
+        """What the large senders of now may have libzmq hold: the sum ``max_request_bytes_in_flight``
+        bounds."""
+        now = time.monotonic()
+        return sum(1 for p in self.peers.values() if p.large_until_s > now) * self.large_sender_bytes
+
+    def stats(self) -> dict[str, Any]:
+        """The caps and what they count now; ``ConnectionGuard.stats`` adds the connections'
+        and every refusal by cap."""
         return {"connections_known": len(self.peers), "fd_limit": self.fd_limit,
-                "fds_in_use": self.fds_in_use,
-                "sessions_refused": sum(self.refused.values())}
+                "fds_in_use": self.fds_in_use, "fd_budget": self.fd_budget,
+                "sessions_refused": sum(self.refused[key] for key in SESSION_CAP_KEYS),
+                "request_bytes_in_flight": self.request_bytes_in_flight(), "caps": asdict(self.caps)}

@@ -66,6 +66,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "session of one uid together may hold reserved (default: the session share)")
     p.add_argument("--peer-max-namespaces", metavar="N",
                    help="namespaces one uid may create that the config does not name (default 8)")
+    caps = config_mod.Config()
+    p.add_argument("--max-sessions", metavar="N", help=f"most sessions at once (default {caps.max_sessions})")
+    p.add_argument("--max-sessions-per-connection", metavar="N", help="most sessions one connection "
+                   f"may hold (default {caps.max_sessions_per_connection})")
+    p.add_argument("--max-sessions-per-uid", metavar="N", help="most sessions of one peer, all its "
+                   f"connections together (default {caps.max_sessions_per_uid})")
+    p.add_argument("--max-connections", metavar="N", help=f"most connections at once (default {caps.max_connections})")
+    p.add_argument("--max-connections-per-uid", metavar="N",
+                   help=f"most connections of one peer (default {caps.max_connections_per_uid})")
+    p.add_argument("--fd-headroom", metavar="N", help="descriptors of RLIMIT_NOFILE no session or "
+                   f"connection may take (default {caps.fd_headroom}, or an eighth of the limit if more)")
+    p.add_argument("--max-request-bytes-in-flight", metavar="SIZE", help="what connections sending "
+                   "frames over 256 KiB may hold in the daemon at once (default "
+                   f"{caps.max_request_bytes_in_flight >> 20}MiB)")
     p.add_argument("--lease-ttl", metavar="SECONDS", help="silence after which a session expires")
     p.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument("--admin-token-file", metavar="PATH", help="default: hisparsed.token beside the socket")
@@ -282,19 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     return pipes.run_main(_main, argv)
 
 
+def flags_of(args: argparse.Namespace) -> dict[str, str | None]:
+    """The config keys the flags set (None: not given): ``--dashed-name`` is the key ``dashed_name``."""
+    return {key: getattr(args, key) for key in config_mod.flag_keys()}
+
+
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
-    flags = {"socket": args.socket, "capacity": args.capacity, "shm_dir": args.shm_dir,
-             "meta_dir": args.meta_dir, "lease_ttl": args.lease_ttl, "log_level": args.log_level,
-             "default_namespace_capacity": args.default_namespace_capacity,
-             "admin_token_file": args.admin_token_file, "min_page_bytes": args.min_page_bytes,
-             "max_namespaces": args.max_namespaces, "session_pin_share": args.session_pin_share,
-             "session_reserve_share": args.session_reserve_share,
-             "peer_pin_share": args.peer_pin_share, "peer_reserve_share": args.peer_reserve_share,
-             "peer_max_namespaces": args.peer_max_namespaces,
-             "metrics_address": args.metrics_address}
     try:
-        cfg = config_mod.build(args.config, flags=flags, fresh=args.fresh)
+        cfg = config_mod.build(args.config, flags=flags_of(args), fresh=args.fresh)
     except HisparseError as exc:
         print(f"hisparsed: {exc}", file=sys.stderr)
         return 2

@@ -13,7 +13,10 @@ Families (every one prefixed ``hisparse_``; label ``namespace`` where per
 namespace): pages by state, pinned pages, capacity, lookups and looked-up
 keys by result (hit/miss), stored (committed), reserved, aborted, evicted
 and pinned page counters, sessions by state, expired sessions, request
-latency per op, errors by code, event-loop lag, region bytes.
+latency per op, errors by code, event-loop lag, region bytes; and the caps
+(``limits.py``): each cap's value and its refusals (label ``cap``: the
+config key), open connections and sessions, descriptors in use against the
+budget and the limit, request bytes in flight.
 """
 
 from __future__ import annotations
@@ -141,8 +144,36 @@ class SnapshotCollector:
                                   "reading or went away", value=d.get("replies_dropped", 0))
         yield GaugeMetricFamily("hisparse_replies_queued_bytes", "replies waiting for slow readers",
                                 value=d.get("replies_queued_bytes", 0))
+        yield from self._caps(d)
         yield from self._namespaces(stats["namespaces"])
         yield from self._requests()
+
+    def _caps(self, d: dict[str, Any]) -> Iterator[Metric]:
+        if "caps" not in d:  # no transport (an in-process context): nothing is capped
+            return
+        limit = GaugeMetricFamily("hisparse_cap_limit", "each cap's value (a config key; fd_headroom: "
+                                  "as configured, the daemon keeps an eighth of the limit if more)",
+                                  labels=["cap"])
+        refusals = CounterMetricFamily("hisparse_cap_refusals", "sessions, connections and large "
+                                       "requests refused by each cap (QUOTA_EXCEEDED naming it)",
+                                       labels=["cap"])
+        for cap, value in sorted(d["caps"].items()):
+            limit.add_metric([cap], value)
+            refusals.add_metric([cap], d["cap_refusals"].get(cap, 0))
+        yield from (limit, refusals)
+        yield GaugeMetricFamily("hisparse_connections_open", "connections admitted and open now",
+                                value=d["connections"])
+        yield GaugeMetricFamily("hisparse_sessions_open", "sessions open now, engines' and control "
+                                "ones (what max_sessions counts)", value=d["sessions"] + d["control_sessions"])
+        yield GaugeMetricFamily("hisparse_file_descriptors", "descriptors in use (an upper estimate)",
+                                value=d["fds_in_use"])
+        yield GaugeMetricFamily("hisparse_file_descriptors_budget", "descriptors the daemon lets "
+                                "sessions and connections take: the limit less the headroom",
+                                value=d["fd_budget"])
+        yield GaugeMetricFamily("hisparse_file_descriptors_limit", "RLIMIT_NOFILE", value=d["fd_limit"])
+        yield GaugeMetricFamily("hisparse_request_bytes_in_flight", "what connections sending large "
+                                "frames may have the daemon hold now (max_request_bytes_in_flight)",
+                                value=d["request_bytes_in_flight"])
 
     def _namespaces(self, namespaces: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         label = ["namespace"]

@@ -13,33 +13,59 @@ from hisparse.layout import KVLayout
 from hisparse.protocol.codes import (
     MAX_FRAME_BYTES, MAX_KEYS_PER_REQUEST, VERSION, ErrorCode, Op, WireError, error_for_code,
 )
-from hisparse.protocol.scan import MAX_BIN_BYTES, MAX_FIELDS, MAX_STR_BYTES, SCAN_ABOVE_BYTES, scan_request
+from hisparse.protocol.scan import (
+    MAX_BIN_BYTES, MAX_FIELDS, MAX_STR_BYTES, SCAN_ABOVE_BYTES, UNSCANNED_LIST_ITEMS, scan_frame,
+)
 
 KEY_FIELDS = ("keys", "as_keys")  # fields that carry lists of keys
 
 
-# msgpack's per-container limits, the same for every request: no list longer
-# than a request may carry, no map wider than a request, no string longer
-# than any field needs, no bin much longer than a key, no ext at all.
-_UNPACK_LIMITS = dict(max_array_len=MAX_KEYS_PER_REQUEST, max_map_len=MAX_FIELDS,
-                      max_str_len=MAX_STR_BYTES, max_bin_len=MAX_BIN_BYTES, max_ext_len=0)
+# msgpack's per-container limits, the same for every request: no map wider
+# than a request, no string longer than any field needs, no bin much longer
+# than a key, no ext at all; and (``unpack_request``) no list longer than a
+# request may carry, or than UNSCANNED_LIST_ITEMS in a frame not scanned.
+_UNPACK_LIMITS = dict(max_map_len=MAX_FIELDS, max_str_len=MAX_STR_BYTES, max_bin_len=MAX_BIN_BYTES,
+                      max_ext_len=0)
 
 
 def unpack_map(frame: bytes) -> dict[str, Any]:
     """Decode a request frame once, within the protocol's bounds; raises ``WireError``.
 
-    A frame over ``SCAN_ABOVE_BYTES`` is scanned first (``scan.scan_request``),
-    so no frame costs the loop more than a few milliseconds. The error
-    carries the request's id when one was read.
+    A frame over ``SCAN_ABOVE_BYTES`` is scanned first (``scan.scan_frame``);
+    a smaller one only when it does not decode with short lists
+    (``scan.UNSCANNED_LIST_ITEMS``). So no frame costs the loop more than a
+    few milliseconds. The error carries the request's id when one was read.
     """
+    return unpack_request(frame)[0]
+
+
+_NOTHING_PROVEN: frozenset[str] = frozenset()
+
+
+def unpack_request(frame: bytes) -> tuple[dict[str, Any], frozenset[str]]:
+    """``unpack_map``, and the list fields the scan proved valid (``scan.scan_frame``): the
+    decoder need not check their items again. Nothing is proven of an unscanned frame."""
     if not frame:
         raise WireError(ErrorCode.PROTOCOL_ERROR, "empty frame")
-    rid = scan_request(frame) if len(frame) > SCAN_ABOVE_BYTES else None
+    if len(frame) <= SCAN_ABOVE_BYTES:
+        try:
+            msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
+                                  max_array_len=UNSCANNED_LIST_ITEMS, **_UNPACK_LIMITS)
+        except Exception:  # msgpack raises several unrelated types: the scan names the fault
+            pass
+        else:
+            return _map(msg), _NOTHING_PROVEN
+    rid, proven = scan_frame(frame)
     try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True, **_UNPACK_LIMITS)
-    except Exception as exc:  # msgpack raises several unrelated types
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
+                              max_array_len=MAX_KEYS_PER_REQUEST, **_UNPACK_LIMITS)
+    except Exception as exc:
         raise WireError(ErrorCode.PROTOCOL_ERROR, f"not msgpack within the protocol's limits: "
                         f"{type(exc).__name__}", rid=rid) from None
+    return _map(msg), proven
+
+
+def _map(msg: Any) -> dict[str, Any]:
     if not isinstance(msg, dict):
         raise WireError(ErrorCode.PROTOCOL_ERROR, f"a frame must be a map, not {type(msg).__name__}")
     return msg

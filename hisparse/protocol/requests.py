@@ -15,7 +15,7 @@ from hisparse.protocol.codes import (
     ADMIN_OPS, MAX_EVENTS_PER_REPLY, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_REQUEST,
     MAX_NAMESPACE_CHARS, MIN_KEY_BYTES, VERSION, ErrorCode, Op, WireError,
 )
-from hisparse.protocol.frames import KEY_FIELDS, unpack_map
+from hisparse.protocol.frames import KEY_FIELDS, unpack_request
 
 _KEYS = KEY_FIELDS[0]
 
@@ -152,12 +152,15 @@ def _tname(types: tuple[type, ...]) -> str:
     return " or ".join(t.__name__ for t in types)
 
 
-def _keys(msg: dict[str, Any], name: str = _KEYS) -> tuple[bytes, ...]:
+def _keys(msg: dict[str, Any], name: str = _KEYS, proven: frozenset[str] = frozenset()) -> tuple[bytes, ...]:
+    """A key list field; ``proven``: fields whose items the scan proved keys (``scan.scan_frame``)."""
     raw = _field(msg, name, (list,))
     if len(raw) > MAX_KEYS_PER_REQUEST:
         raise WireError(ErrorCode.INVALID_ARGUMENT,
                         f"{len(raw)} keys in one request; the limit is {MAX_KEYS_PER_REQUEST}")
     keys = tuple(raw)
+    if name in proven:  # the largest frames: their items were walked once already
+        return keys
     # The common case checked in C (a flood of the largest requests costs the
     # loop little); the loop below only runs to name the offending key. The
     # join fails on anything but bytes: of what msgpack decodes, only bytes
@@ -179,11 +182,13 @@ def _keys(msg: dict[str, Any], name: str = _KEYS) -> tuple[bytes, ...]:
     return keys
 
 
-def _pages(msg: dict[str, Any]) -> tuple[int, ...]:
+def _pages(msg: dict[str, Any], proven: frozenset[str] = frozenset()) -> tuple[int, ...]:
     raw = _field(msg, "pages", (list,))
     if len(raw) > MAX_KEYS_PER_REQUEST:
         raise WireError(ErrorCode.INVALID_ARGUMENT,
                         f"{len(raw)} pages in one request; the limit is {MAX_KEYS_PER_REQUEST}")
+    if "pages" in proven:
+        return tuple(raw)
     for i, page in enumerate(raw):
         if not isinstance(page, int) or isinstance(page, bool):
             raise WireError(ErrorCode.PROTOCOL_ERROR, f"pages[{i}] must be int, not {type(page).__name__}")
@@ -268,17 +273,17 @@ def decode_request(frame: bytes) -> Request:
     if len(frame) > MAX_FRAME_BYTES:
         raise WireError(ErrorCode.FRAME_TOO_LARGE,
                         f"frame of {len(frame)} bytes; the limit is {MAX_FRAME_BYTES}")
-    msg = unpack_map(frame)
+    msg, proven = unpack_request(frame)
     raw_id = msg.get("id")
     try:
-        return _request(msg)
+        return _request(msg, proven)
     except WireError as exc:
         if type(raw_id) is int and 0 <= raw_id <= MAX_WIRE_INT:
             exc.rid = raw_id
         raise
 
 
-def _request(msg: dict[str, Any]) -> Request:
+def _request(msg: dict[str, Any], proven: frozenset[str]) -> Request:
     version = msg.get("v")
     if type(version) is not int or version != VERSION:  # not 2.0, not True
         raise WireError(ErrorCode.VERSION_MISMATCH,
@@ -293,8 +298,8 @@ def _request(msg: dict[str, Any]) -> Request:
         missing_ok = _flag(msg, "missing_ok") if op is _ABORT else None
         remote = _flag(msg, "remote") if op is _LOOKUP else None
         wait = _flag(msg, "wait") if op is _LOOKUP or op is _PREFETCH else None
-        return _keys_request(op, rid, session, _keys(msg), bool(missing_ok), bool(remote),
-                             wait is not False, _tag(msg, op))
+        return _keys_request(op, rid, session, _keys(msg, _KEYS, proven), bool(missing_ok),
+                             bool(remote), wait is not False, _tag(msg, op))
     if op is Op.HELLO:
         return _hello(op, rid, msg)
     if op is Op.PING:
@@ -318,9 +323,9 @@ def _request(msg: dict[str, Any]) -> Request:
         tag = _tag(msg, op)
         if tag is not None and msg.get("pages") is None:
             return PagesRequest(op, rid, session, (), tag, whole_call=True)
-        return PagesRequest(op, rid, session, _pages(msg), tag)
+        return PagesRequest(op, rid, session, _pages(msg, proven), tag)
     if op is Op.PUBLISH:
-        keys, as_keys = _keys(msg), _keys(msg, "as_keys")
+        keys, as_keys = _keys(msg, _KEYS, proven), _keys(msg, "as_keys", proven)
         if len(keys) != len(as_keys):
             raise WireError(ErrorCode.INVALID_ARGUMENT,
                             f"publish: {len(keys)} keys but {len(as_keys)} as_keys")

@@ -12,9 +12,12 @@ import tempfile
 import time
 
 import msgpack
-import zmq
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from hisparse import KVLayout, protocol
+from hisparse.ctlviews import scrape
+from hisparse.daemon.limits import CAP_KEYS
 from hisparse.protocol import ErrorCode, Op
 from hisparse.shm.fence import FenceFile, fence_dir_for
 from tests.conftest import Daemon, _shm_base
@@ -135,17 +138,88 @@ def test_large_senders_past_the_budget_are_refused_and_their_uid_backs_off(daemo
         reply = later.send_raw(protocol.encode_request(Op.PING, 1))
         assert reply is None or "max_request_bytes_in_flight" in (reply.error_message or ""), reply
         later.close()
-        later = RawClient(d.socket, timeout_s=2)
-
-        def served() -> bool:  # the backoff ends (1 s): a new connection is answered again
-            reply_ = later.send_raw(protocol.encode_request(Op.PING, 2))
-            return reply_ is not None and reply_.ok is not None
-        wait_for(served, "a connection after the backoff to be served", timeout_s=30)
+        later = None  # the backoff ends (1 s): a new connection is answered again
+        wait_for(lambda: _served(d.socket), "a connection after the backoff to be served", timeout_s=30)
         assert first.request(Op.LOOKUP, keys=keys).ok is not None  # the admitted one served on
     finally:
         for c in (first, second, later):
             if c is not None:
                 c.close()
+
+
+def _refusals(address: str) -> dict[str, float]:
+    """{cap: refusals} and the caps' gauges of one scrape of the metrics endpoint."""
+    out = {}
+    for family in text_string_to_metric_families(scrape(address)):
+        for sample in family.samples:
+            out[sample.labels.get("cap", "") + ":" + sample.name if "cap" in sample.labels else sample.name] \
+                = sample.value
+    return out
+
+
+def _served(socket_path: str) -> bool:
+    c = RawClient(socket_path, timeout_s=0.5)
+    try:
+        reply = c.send_raw(protocol.encode_request(Op.PING, 1))
+        return reply is not None and reply.ok is not None
+    finally:
+        c.close()
+
+
+def test_caps_set_by_flag_count_their_refusals_in_metrics_and_stats(daemon_factory):
+    d = daemon_factory(extra=("--max-sessions-per-connection", "2", "--max-sessions-per-uid", "3",
+                              "--max-connections", "3", "--max-request-bytes-in-flight", "12MiB"))
+    address = os.path.join(os.path.dirname(d.socket), "hisparsed.metrics.sock")
+    m = _refusals(address)
+    assert all(m[f"{cap}:hisparse_cap_refusals_total"] == 0 for cap in CAP_KEYS), m
+    assert m["max_connections:hisparse_cap_limit"] == 3 and m["max_sessions:hisparse_cap_limit"] == 2048
+    wait_for(lambda: _refusals(address)["hisparse_connections_open"] == 0, "the ready probe's end")
+    a, b, c = (RawClient(d.socket) for _ in range(3))
+    e = None
+    try:
+        hellos = [a.request(Op.HELLO, namespace="ns", layout=LAYOUT, capacity_bytes=CAP) for _ in range(3)]
+        assert "max_sessions_per_connection (2)" in hellos[2].error_message
+        a.session = hellos[0].ok["session"]
+        assert b.request(Op.HELLO, namespace="ns", layout=LAYOUT, capacity_bytes=CAP).ok
+        assert "max_sessions_per_uid (3)" in b.request(Op.HELLO, namespace="ns", layout=LAYOUT).error_message
+        for client in (a, b, c):  # all three admitted before a fourth connects
+            assert client.call(Op.PING)
+        e = RawClient(d.socket, timeout_s=1)
+
+        def refused() -> bool:  # a request read before the guard saw the connection is served
+            reply = e.send_raw(protocol.encode_request(Op.PING, 1))
+            return reply is not None and "max_connections (3)" in (reply.error_message or "")
+        wait_for(refused, "the fourth connection refused by max_connections")
+        # two large senders at once: 2 x 12 MiB (what libzmq may hold for each) is past the cap
+        big = protocol.encode_request(Op.PING, 2, padding=b"x" * 200, keys=[b"k" * 32] * 9000)
+        assert a.send_raw(big).ok  # admitted: a ping answers whatever else it carries
+        stats = a.call(Op.STATS)["daemon"]  # within the second a counts as a large sender
+        assert stats["request_bytes_in_flight"] == 12 << 20
+        assert "max_request_bytes_in_flight" in b.send_raw(big).error_message
+        m = _refusals(address)
+        for cap in ("max_sessions_per_connection", "max_sessions_per_uid", "max_request_bytes_in_flight"):
+            assert m[f"{cap}:hisparse_cap_refusals_total"] == 1, (cap, m)
+        assert m["max_connections:hisparse_cap_refusals_total"] >= 1  # a refused DEALER reconnects
+        assert m["hisparse_sessions_open"] == 3 and m["hisparse_connections_open"] <= 3
+        assert 0 < m["hisparse_file_descriptors"] < m["hisparse_file_descriptors_budget"] \
+            < m["hisparse_file_descriptors_limit"]
+        stats = a.call(Op.STATS)["daemon"]
+        assert stats["caps"]["max_sessions_per_uid"] == 3
+        assert stats["cap_refusals"]["max_sessions_per_uid"] == 1 and stats["sessions_refused"] == 2
+        for other in (b, c, e):
+            other.close()
+        wait_for(lambda: _refusals(address)["hisparse_connections_open"] == 1, "the others' ends")
+        a.call(Op.BYE, session=hellos[1].ok["session"])  # room for hisparsectl's own session
+        wait_for(lambda: _served(d.socket), "the uid's large-sender backoff to end")  # new connections
+        out = subprocess.run([sys.executable, "-m", "hisparse.ctl", "--socket", d.socket, "stats"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        line = next(x for x in out.stdout.splitlines() if x.startswith("caps: "))
+        assert "/3 connections" in line and "refused: max_sessions_per_connection 1, max_sessions_per_uid 1" in line
+    finally:
+        for client in (a, b, c, e):
+            if client is not None:
+                client.close()
 
 FLOOD = """
 import socket, sys, time

@@ -143,3 +143,37 @@ def test_the_example_file_documents_every_cluster_key():
         text = f.read()
     for key in config._CLUSTER_KEYS:
         assert f"# {key} = " in text or f"\n{key} = " in text, key
+
+
+CAP_FLAGS = {"--max-sessions": ("max_sessions", "12", 12),
+             "--max-sessions-per-connection": ("max_sessions_per_connection", "3", 3),
+             "--max-sessions-per-uid": ("max_sessions_per_uid", "7", 7),
+             "--max-connections": ("max_connections", "9", 9),
+             "--max-connections-per-uid": ("max_connections_per_uid", "4", 4),
+             "--fd-headroom": ("fd_headroom", "0", 0),
+             "--max-request-bytes-in-flight": ("max_request_bytes_in_flight", "64MiB", 64 << 20)}
+
+
+def test_every_key_is_a_flag_and_the_caps_flags_reach_the_config(tmp_path):
+    from hisparse.daemon import main
+
+    assert set(main.flags_of(main.parse_args([]))) == set(config._KEYS)
+    argv = [part for flag, (_, text, _) in CAP_FLAGS.items() for part in (flag, text)]
+    f = tmp_path / "c.toml"
+    f.write_text("max_sessions = 100\nmax_connections = 100\n")
+    env = {"HISPARSED_MAX_SESSIONS": "50", "HISPARSED_MAX_CONNECTIONS_PER_UID": "50"}
+    cfg = config.build(str(f), env=env, flags=main.flags_of(main.parse_args(argv)))
+    for field, _, value in CAP_FLAGS.values():
+        assert getattr(cfg, field) == value, field  # flags beat env beat file
+    with pytest.raises(ConfigError, match="max_connections"):
+        config.build(env={}, flags=main.flags_of(main.parse_args(["--max-connections", "0"])))
+
+
+def test_the_caps_take_a_restart(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("max_sessions = 100\nfd_headroom = 64\n")
+    cfg = config.build(str(f), env={})
+    f.write_text("max_sessions = 5\nfd_headroom = 8\n")
+    new = config.reload(cfg)
+    assert (new.max_sessions, new.fd_headroom) == (100, 64)
+    assert not set(config.RELOADABLE) & {field for _, (field, _, _) in CAP_FLAGS.items()}
