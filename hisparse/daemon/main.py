@@ -41,6 +41,12 @@ from hisparse.shm.fence import FENCE_DIR_MODE, fence_dir_for
 log = logging.getLogger("hisparse.daemon")
 
 LOCK_NAME = "hisparsed.lock"
+# How long a thread running Python keeps the GIL while another waits for it (CPython's
+# default is 5 ms). The loop waits that long for every request while a background thread
+# (the cluster worker verifying a promotion, the allocator) runs Python, so it is kept
+# well under a millisecond: the loop answers within one switch, at the cost of a few
+# more thread switches.
+GIL_SWITCH_S = 0.0005
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -205,6 +211,7 @@ def _cluster_tier(cfg: config_mod.ClusterConfig):
 
 
 def run(cfg: config_mod.Config) -> int:
+    sys.setswitchinterval(GIL_SWITCH_S)
     fd_limit = raise_fd_limit()  # sessions and connections are counted against it (daemon.limits)
     log.info("RLIMIT_NOFILE %d; %d kept free (fd_headroom)", fd_limit, cfg.fd_headroom)
     # First the socket's directory: meta/, fences/ and the token go beside it.
