@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from hisparse.cluster import format as fmt
-from hisparse.daemon import cluster_drop, cluster_io
+from hisparse.daemon import cluster_drop, cluster_io, cluster_promote
 from hisparse.daemon.cluster_health import Health
 from hisparse.daemon.cluster_io import ClusterDown, Space
 from hisparse.daemon.config import ClusterConfig
@@ -82,7 +82,7 @@ class ClusterTier:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._headers = np.zeros(config.batch_pages * fmt.HEADER_BYTES, dtype=np.uint8)
-        self._stage: np.ndarray | None = None  # TCP gets: cluster_io._fetch_staged
+        self._stage: np.ndarray | None = None  # TCP gets: cluster_promote._fetch_staged
         self._getter: ThreadPoolExecutor | None = None
 
     # -- lifecycle (loop thread) --
@@ -369,7 +369,7 @@ class ClusterTier:
 
     def _promote(self, space: Space, keys: list[bytes], body: dict[str, Any], fut: Future | None) -> None:
         try:
-            cluster_io.promote(self, space, keys, body)
+            cluster_promote.promote(self, space, keys, body)
         except BaseException as exc:
             if fut is not None and not fut.done():
                 try:
