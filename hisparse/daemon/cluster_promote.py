@@ -27,6 +27,8 @@ not keep the daemon from answering, so:
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -150,8 +152,7 @@ def _fetch_staged(tier: ClusterTier, space: Space, mine: Pairs, got: list[int], 
     """Check the staged values of ``mine``, copy the good ones to their pages, settle them."""
     layout = space.ns.layout
     values = stage[:len(mine) * (fmt.HEADER_BYTES + layout.page_bytes)].reshape(len(mine), -1)
-    good: Pairs = []
-    try:
+    with _settling(tier, space, mine, body) as good:
         verdicts = verify.verdicts(tier, space, mine, got)
         rows = verify.checked(tier, space, mine, verdicts, values[:, :fmt.HEADER_BYTES],
                               lambda i: [values[i, fmt.HEADER_BYTES:]], body)
@@ -160,18 +161,13 @@ def _fetch_staged(tier: ClusterTier, space: Space, mine: Pairs, got: list[int], 
             targets = np.array([mine[i][1] for i in rows], dtype=np.intp)
             pages = space.region.pages_view()
             pages[:, targets, :] = data.reshape(len(rows), layout.num_layers, -1).transpose(1, 0, 2)
-            good = [mine[i] for i in rows]
+            good += [mine[i] for i in rows]
         verify.count_failed(tier, space, mine, got, verdicts, body)
-    except BaseException:
-        tier._on_loop(tier._settle, space, good, _others(mine, good), undo=True)
-        raise
-    _post_settle(tier, space, good, _others(mine, good), body)
 
 
 def _fetch_direct(tier: ClusterTier, space: Space, mine: Pairs, body: dict[str, Any]) -> None:
     """RDMA: header and every layer slice straight into the reserved page, no staging copy."""
-    good: Pairs = []
-    try:
+    with _settling(tier, space, mine, body) as good:
         cluster_io._register(tier, space)
         ptrs, sizes = [], []
         for i, (_key, page) in enumerate(mine):
@@ -184,8 +180,17 @@ def _fetch_direct(tier: ClusterTier, space: Space, mine: Pairs, body: dict[str, 
         verdicts = verify.verdicts(tier, space, mine, got)
         heads = tier._headers[:len(mine) * fmt.HEADER_BYTES].reshape(len(mine), fmt.HEADER_BYTES)
         rows = verify.checked(tier, space, mine, verdicts, heads, lambda i: space.views(mine[i][1]), body)
-        good = [mine[i] for i in rows]
+        good += [mine[i] for i in rows]
         verify.count_failed(tier, space, mine, got, verdicts, body)
+
+
+@contextmanager
+def _settling(tier: ClusterTier, space: Space, mine: Pairs, body: dict[str, Any]) -> Iterator[Pairs]:
+    """Yields the list the block fills with the good pairs of ``mine``; then they are committed
+    and the rest aborted: posted to the loop, or waited for if the block raised."""
+    good: Pairs = []
+    try:
+        yield good
     except BaseException:
         tier._on_loop(tier._settle, space, good, _others(mine, good), undo=True)
         raise
