@@ -159,9 +159,9 @@ class ClusterTier:
     def prefetch(self, ns: Namespace, keys: tuple[bytes, ...], wait: bool) -> dict[str, Any] | Future:
         """Promote the cluster's pages of ``keys`` into the namespace (see the module docstring)."""
         space = self._space(ns)
-        index = ns.index
-        todo = [k for k in dict.fromkeys(keys) if not _is_committed(index, k)]
-        body: dict[str, Any] = {"queued": 0, "local": len(set(keys)) - len(todo), "promoted": 0,
+        unique, pages, state = dict.fromkeys(keys), ns.index.keys, ns.index.state  # on the loop: lean per key
+        todo = [k for k in unique if (page := pages.get(k)) is None or state[page] != COMMITTED]
+        body: dict[str, Any] = {"queued": 0, "local": len(unique) - len(todo), "promoted": 0,
                                 "missing": 0, "refused": 0, "busy": 0, "missing_keys": []}
         if not todo:
             return body
@@ -390,8 +390,3 @@ def _resolve(fut: Future | None, value: Any) -> None:
     if fut is not None:
         with contextlib.suppress(InvalidStateError):  # already timed out
             fut.set_result(value)
-
-
-def _is_committed(index: Any, key: bytes) -> bool:
-    page = index.keys.get(key)
-    return page is not None and index.state[page] == COMMITTED
