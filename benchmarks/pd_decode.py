@@ -39,6 +39,7 @@ from benchmarks._common import percentile  # noqa: E402
 from benchmarks.cluster import _cluster, _keys, _wait, daemon, master  # noqa: E402
 from hisparse import client, format_size, parse_size  # noqa: E402
 from hisparse.ctl import Control  # noqa: E402
+from hisparse.errors import HisparseError  # noqa: E402
 from hisparse.protocol import MAX_KEYS_PER_REQUEST, Op  # noqa: E402
 
 
@@ -114,8 +115,15 @@ def main(argv: list[str] | None = None) -> int:
                  "timeout": "120", "queue_pages": str(1 << 22)}
         a_sock = stack.enter_context(daemon(3 * size, knobs))  # region, table and index
         b_sock = stack.enter_context(daemon(3 * size, knobs))
-        engine = harness.VllmEngine(b_sock, engine_id="decode-b", deadline_s=0.02, timeout_s=1.0,
-                                    capacity=str(2 * size), num_blocks=256)  # the adapter's defaults
+        for attempt in range(3):
+            try:
+                engine = harness.VllmEngine(b_sock, engine_id="decode-b", deadline_s=0.02, timeout_s=1.0,
+                                            capacity=str(2 * size), num_blocks=256)  # the adapter's defaults
+                break
+            except HisparseError:  # its hello waits for the new region, past the engine's 1 s on a
+                if attempt == 2:   # busy machine; the daemon finishes it, and the next hello finds it
+                    raise
+                time.sleep(5)
         _wait("the engine's cluster probe", lambda: manager_of(engine)._cluster._enabled, timeout_s=60)
         stack.callback(engine.shutdown)
         manager = engine.manager
