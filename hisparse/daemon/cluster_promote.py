@@ -2,10 +2,11 @@
 
 Runs on the cluster worker thread (``ClusterTier._run``), as ``cluster_io``
 does. A promotion goes round by round (``round_pages`` keys): which keys
-the cluster holds -> pages reserved for them (on the loop) -> gets of at
-most ``batch_pages`` values -> header and content hash checked -> the good
-pages committed, the rest aborted (on the loop). A large promotion must
-not keep the daemon from answering, so:
+the cluster holds -> pages reserved for them (on the loop) -> gets of
+``batch_pages`` values (over TCP at least ``TCP_GET_PAGES``) -> header
+and content hash checked -> the good pages committed, the rest aborted
+(on the loop). A large promotion must not keep the daemon from answering,
+so:
 
 - the loop only does index work, at most ``LOOP_BATCH_PAGES`` pages a
   call; the worker posts each get's commits without waiting for them
@@ -47,6 +48,11 @@ STAGE_BYTES = 128 << 20  # TCP gets land here first; resident once used
 ROUND_BYTES = 16 << 20  # the values one round reserves pages for (at least batch_pages of them)
 ROUND_SHARE = 4  # and at most 1/4 of the namespace's pages (as write-behind holds)
 LOOP_BATCH_PAGES = 256  # pages one call on the loop reserves or settles: well under a millisecond
+# Values one TCP get takes at least, whatever batch_pages says: Mooncake's cost per call (a
+# master round trip, thread hand-offs) dominated at 64 (a 256 MiB promotion on the 2-core CI
+# machine: 4.5 CPU s and 6.5 s at 256, 6.9 CPU s and 9.8 s at 64); the call keeps the GIL
+# about 0.7 ms of it at 256.
+TCP_GET_PAGES = 256
 
 Pairs = list[tuple[bytes, int]]
 
@@ -99,12 +105,12 @@ def reserve(tier: ClusterTier, space: Space, keys: list[bytes]) -> tuple[Pairs, 
 
 
 def fetch(tier: ClusterTier, space: Space, mine: Pairs, body: dict[str, Any]) -> None:
-    """Get, check and settle the reserved ``mine``, ``batch_pages`` at a time; whatever was
-    not reached when one fails is aborted."""
+    """Get, check and settle the reserved ``mine``, a get at a time (``batch_pages`` values,
+    over TCP at least ``TCP_GET_PAGES``); whatever was not reached when one fails is aborted."""
     per = fmt.HEADER_BYTES + space.ns.layout.page_bytes
     half = STAGE_BYTES // 2
     staged = tier.config.protocol == "tcp" and per <= half
-    size = min(half // per, tier.config.batch_pages) if staged else tier.config.batch_pages
+    size = min(half // per, max(tier.config.batch_pages, TCP_GET_PAGES)) if staged else tier.config.batch_pages
     subs = [mine[i:i + size] for i in range(0, len(mine), size)]
     taken = 0  # subs handed to _fetch_*, which settle them whatever happens
     pending = None
