@@ -15,30 +15,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import fcntl
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 import msgpack
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import percentile  # noqa: E402
-from benchmarks.metrics_overhead import call  # noqa: E402
+from benchmarks._common import PEER, committed_keys_in_process, percentile  # noqa: E402
 from hisparse import KVLayout, protocol  # noqa: E402
-from hisparse.daemon import config  # noqa: E402
-from hisparse.daemon.handlers import DaemonContext  # noqa: E402
-from hisparse.daemon.namespaces import Registry  # noqa: E402
 from hisparse.daemon.dispatch import dispatch  # noqa: E402
-from hisparse.daemon.sessions import SessionTable  # noqa: E402
-from hisparse.local import shm_base  # noqa: E402
-from hisparse.protocol import Op  # noqa: E402
-from hisparse.shm.fence import fence_dir_for  # noqa: E402
 
 KEYS = 64
-PEER = b"bench"
 
 
 def timed(fn, n: int) -> list[int]:
@@ -60,22 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def measure(args: argparse.Namespace) -> int:
-    run_dir = tempfile.mkdtemp(prefix="hisparse-bench-")
-    shm_dir = tempfile.mkdtemp(prefix="hisparse-bench-", dir=shm_base())
-    try:
-        cfg = config.build(env={}, flags={"socket": os.path.join(run_dir, "hisparsed.sock"),
-                                          "shm_dir": shm_dir, "capacity": "512MiB", "metrics_address": ""})
-        os.makedirs(cfg.metadata_dir, exist_ok=True)
-        ctx = DaemonContext(cfg, Registry(cfg), SessionTable(cfg.lease_ttl_s), admin_token="x")
-        hello = await call(ctx, Op.HELLO, namespace="bench/dispatch", layout=KVLayout(8, 64, 128),
-                           capacity_bytes=256 << 20, client="benchmarks/dispatch_lookup")
-        fence_fd = os.open(os.path.join(fence_dir_for(cfg.socket), hello["fence"]), os.O_RDONLY)
-        fcntl.flock(fence_fd, fcntl.LOCK_SH)  # reserve needs the session's fence held
-        keys = [os.urandom(36) for _ in range(KEYS)]
-        session = hello["session"]
-        await call(ctx, Op.RESERVE, session=session, keys=keys)
-        await call(ctx, Op.COMMIT, session=session, keys=keys)
-        frame = protocol.encode_request(Op.LOOKUP, 7, session=session, keys=keys)
+    async with committed_keys_in_process("bench/dispatch", KVLayout(8, 64, 128), "benchmarks/dispatch_lookup",
+                                         KEYS) as (ctx, frame):
         reply = dispatch(ctx, frame, PEER)
         assert protocol.decode_reply(reply).result() == {"count": KEYS}, reply
 
@@ -100,11 +74,6 @@ async def measure(args: argparse.Namespace) -> int:
         while len(a) < args.requests:
             a += timed(ours, args.batch)
             b += timed(floor, args.batch)
-        os.close(fence_fd)
-        ctx.registry.flush()
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        shutil.rmtree(shm_dir, ignore_errors=True)
     print(f"64-key lookup in-process, {len(frame)} B frame, {len(a)} each in alternating turns of {args.batch}")
     print(f"{'':34}{'p50 us':>10}{'mean us':>10}")
     for name, s in (("dispatch (the daemon's loop)", a), ("msgpack unpack+pack (floor)", b)):

@@ -22,7 +22,9 @@ the idle row measured in the same run, and what the attack got.
 
 from __future__ import annotations
 
-import encodings.idna  # noqa: F401 - urllib needs it; an attacker child may not read the stdlib's path
+# Imported before any fork: urllib needs this codec, and an attacker child, once it runs
+# as ATTACKER_UID, may not be able to read the stdlib's directory to import it then.
+import encodings.idna  # noqa: F401
 import fcntl
 import json
 import os

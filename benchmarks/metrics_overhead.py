@@ -15,28 +15,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import fcntl
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import percentile  # noqa: E402
-from hisparse import KVLayout, protocol  # noqa: E402
-from hisparse.daemon import config  # noqa: E402
+from benchmarks._common import PEER, committed_keys_in_process, percentile  # noqa: E402
+from hisparse import KVLayout  # noqa: E402
 from hisparse.daemon.handlers import DaemonContext  # noqa: E402
-from hisparse.daemon.namespaces import Registry  # noqa: E402
 from hisparse.daemon.opstats import OpStats  # noqa: E402
-from hisparse.daemon.dispatch import dispatch, finish  # noqa: E402
-from hisparse.daemon.sessions import SessionTable  # noqa: E402
-from hisparse.local import shm_base  # noqa: E402
-from hisparse.protocol import Op  # noqa: E402
-from hisparse.shm.fence import fence_dir_for  # noqa: E402
+from hisparse.daemon.dispatch import dispatch  # noqa: E402
 
 KEYS = 64
-PEER = b"bench"
 
 
 class SilentOpStats(OpStats):
@@ -47,15 +37,6 @@ class SilentOpStats(OpStats):
 
     def error(self, code: str) -> None:
         pass
-
-
-async def call(ctx: DaemonContext, op: Op, **fields) -> dict:
-    reply = dispatch(ctx, protocol.encode_request(op, 1, **fields), PEER)
-    if isinstance(reply, tuple):  # work off the loop (hello creating a region)
-        rid, deferred = reply
-        await asyncio.wait([deferred.future])
-        reply = finish(ctx, rid, deferred, deferred.future)
-    return protocol.decode_reply(reply).result()
 
 
 def batch_ns(ctx: DaemonContext, frame: bytes, n: int) -> list[int]:
@@ -75,24 +56,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def measure(args: argparse.Namespace) -> int:
-    run_dir = tempfile.mkdtemp(prefix="hisparse-bench-")
-    shm_dir = tempfile.mkdtemp(prefix="hisparse-bench-", dir=shm_base())
-    try:
-        cfg = config.build(env={}, flags={"socket": os.path.join(run_dir, "hisparsed.sock"),
-                                          "shm_dir": shm_dir, "capacity": "512MiB", "metrics_address": "",
-                                          # one tenant: its 64 keys need more than half the region
-                                          "session_reserve_share": 1, "session_pin_share": 1})
-        os.makedirs(cfg.metadata_dir, exist_ok=True)
-        ctx = DaemonContext(cfg, Registry(cfg), SessionTable(cfg.lease_ttl_s), admin_token="x")
-        hello = await call(ctx, Op.HELLO, namespace="bench/metrics", layout=KVLayout(78, 64, 656),
-                     capacity_bytes=256 << 20, client="benchmarks/metrics_overhead")
-        fence_fd = os.open(os.path.join(fence_dir_for(cfg.socket), hello["fence"]), os.O_RDONLY)
-        fcntl.flock(fence_fd, fcntl.LOCK_SH)  # reserve needs the session's fence held
-        keys = [os.urandom(36) for _ in range(KEYS)]
-        session = hello["session"]
-        await call(ctx, Op.RESERVE, session=session, keys=keys)
-        await call(ctx, Op.COMMIT, session=session, keys=keys)
-        frame = protocol.encode_request(Op.LOOKUP, 7, session=session, keys=keys)
+    # one tenant: its 64 keys need more than half the region
+    async with committed_keys_in_process("bench/metrics", KVLayout(78, 64, 656), "benchmarks/metrics_overhead",
+                                         KEYS, session_reserve_share=1, session_pin_share=1) as (ctx, frame):
         recording, silent = ctx.opstats, SilentOpStats()
         with_metrics: list[int] = []
         without: list[int] = []
@@ -102,11 +68,6 @@ async def measure(args: argparse.Namespace) -> int:
             with_metrics += batch_ns(ctx, frame, args.batch)
             ctx.opstats = silent
             without += batch_ns(ctx, frame, args.batch)
-        os.close(fence_fd)
-        ctx.registry.flush()
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        shutil.rmtree(shm_dir, ignore_errors=True)
     print(f"64-key lookup dispatched in-process, {len(with_metrics)} each in alternating turns of {args.batch}")
     print(f"{'':26}{'p50 us':>10}{'mean us':>10}")
     for name, s in (("with metrics recording", with_metrics), ("recording nothing", without)):

@@ -24,12 +24,12 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.metrics_overhead import call  # noqa: E402
+from benchmarks._common import call  # noqa: E402
 from hisparse import KVLayout, protocol  # noqa: E402
 from hisparse.daemon import config  # noqa: E402
 from hisparse.daemon.handlers import DaemonContext  # noqa: E402
 from hisparse.daemon.namespaces import Registry  # noqa: E402
-from hisparse.daemon.server import dispatch  # noqa: E402
+from hisparse.daemon.dispatch import dispatch  # noqa: E402
 from hisparse.daemon.sessions import SessionTable  # noqa: E402
 from hisparse.local import shm_base  # noqa: E402
 from hisparse.protocol import Op  # noqa: E402

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from typing import Any
 
 from hisparse import ctlviews, pipes, protocol
-from hisparse.client.transport import Transport
+from hisparse.client.transport import Transport, listener_problem
 from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired, PermissionDenied
 from hisparse.layout import format_size
 from hisparse.paths import default_socket_path
@@ -106,26 +105,6 @@ def positive_seconds(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
     return value
-
-
-def check_socket(path: str) -> None:
-    """Fail fast, before ZeroMQ would wait out the timeout, when no daemon can be there."""
-    if not os.path.exists(path):
-        raise DaemonUnavailable(f"no hisparsed socket at {path}: is the daemon running? "
-                                "(--socket PATH or HISPARSE_SOCKET pick another)")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except PermissionError:
-        raise PermissionDenied(f"may not connect to {path}: join the daemon's group "
-                               "(usermod -aG hisparse $USER) or run as its user") from None
-    except ConnectionRefusedError:
-        raise DaemonUnavailable(f"{path} exists but nothing listens on it: hisparsed is not "
-                                "running (a crashed daemon leaves its socket)") from None
-    except OSError as exc:
-        raise DaemonUnavailable(f"cannot connect to {path}: {exc.strerror or exc}") from None
-    finally:
-        probe.close()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -240,11 +219,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     socket_path = args.socket or default_socket_path()
-    try:
-        check_socket(socket_path)
-    except HisparseError as exc:
-        print(f"hisparsectl: {exc}", file=sys.stderr)
-        return exit_code(exc)
+    problem = listener_problem(socket_path)  # fail fast, before ZeroMQ would wait out the timeout
+    if problem is not None:
+        print(f"hisparsectl: {problem}", file=sys.stderr)
+        return exit_code(problem)
     try:  # the daemon's user and root see every namespace; others the open ones
         quiet_token: str | None = read_token(socket_path, args.token_file)
     except HisparseError as exc:

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from hisparse.cluster import format as fmt
-from hisparse.daemon import cluster_drop, cluster_io
+from hisparse.daemon import cluster_drop, cluster_io, cluster_promote
 from hisparse.daemon.cluster_health import Health
 from hisparse.daemon.cluster_io import ClusterDown, Space
 from hisparse.daemon.config import ClusterConfig
@@ -82,7 +82,7 @@ class ClusterTier:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._headers = np.zeros(config.batch_pages * fmt.HEADER_BYTES, dtype=np.uint8)
-        self._stage: np.ndarray | None = None  # TCP gets: cluster_io._fetch_staged
+        self._stage: np.ndarray | None = None  # TCP gets: cluster_promote._fetch_staged
         self._getter: ThreadPoolExecutor | None = None
 
     # -- lifecycle (loop thread) --
@@ -159,9 +159,9 @@ class ClusterTier:
     def prefetch(self, ns: Namespace, keys: tuple[bytes, ...], wait: bool) -> dict[str, Any] | Future:
         """Promote the cluster's pages of ``keys`` into the namespace (see the module docstring)."""
         space = self._space(ns)
-        index = ns.index
-        todo = [k for k in dict.fromkeys(keys) if not _is_committed(index, k)]
-        body: dict[str, Any] = {"queued": 0, "local": len(set(keys)) - len(todo), "promoted": 0,
+        unique, pages, state = dict.fromkeys(keys), ns.index.keys, ns.index.state  # on the loop: lean per key
+        todo = [k for k in unique if (page := pages.get(k)) is None or state[page] != COMMITTED]
+        body: dict[str, Any] = {"queued": 0, "local": len(unique) - len(todo), "promoted": 0,
                                 "missing": 0, "refused": 0, "busy": 0, "missing_keys": []}
         if not todo:
             return body
@@ -369,7 +369,7 @@ class ClusterTier:
 
     def _promote(self, space: Space, keys: list[bytes], body: dict[str, Any], fut: Future | None) -> None:
         try:
-            cluster_io.promote(self, space, keys, body)
+            cluster_promote.promote(self, space, keys, body)
         except BaseException as exc:
             if fut is not None and not fut.done():
                 try:
@@ -390,8 +390,3 @@ def _resolve(fut: Future | None, value: Any) -> None:
     if fut is not None:
         with contextlib.suppress(InvalidStateError):  # already timed out
             fut.set_result(value)
-
-
-def _is_committed(index: Any, key: bytes) -> bool:
-    page = index.keys.get(key)
-    return page is not None and index.state[page] == COMMITTED

@@ -1,4 +1,4 @@
-"""The cluster worker's I/O: connect, write-behind puts, existence probes, promotions.
+"""The cluster worker's I/O: connect, write-behind puts, existence probes.
 
 Runs on the cluster worker thread only (``ClusterTier._run``); every index
 change goes through ``ClusterTier._on_loop``. A page's bytes move between
@@ -7,8 +7,7 @@ its place in the region and Mooncake as ``1 + num_layers`` buffers: the
 run in each layer (a page is layer-major strided in the region, one
 ``block_tokens * row_bytes`` run per layer). Mooncake's multi-buffer batch
 calls take exactly that: puts, and gets over RDMA, copy nothing on this
-side. Gets over TCP are staged (``_fetch``): Mooncake moves each buffer as
-its own TCP request, and a whole value plus one strided copy is faster.
+side. Promotions (gets) are ``cluster_promote``'s.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import numpy as np
 
 from hisparse.cluster import format as fmt
 from hisparse.cluster.mooncake import ClusterUnavailableError
-from hisparse.daemon import cluster_verify as verify
 from hisparse.daemon.cluster_health import ClusterDown, master_answers
 from hisparse.daemon.namespaces import Namespace
 from hisparse.shm.region import RegionMap
@@ -33,10 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EXIST_CHUNK_KEYS = 4096
+EXIST_CHUNK_KEYS = 256  # batch_is_exist keeps the GIL throughout: about 1 ms per 1,000 keys
 MAX_PUT_TRIES = 60  # a page's puts before it is dropped: 30 s of 0.5 s pauses
 WRITE_BEHIND_SHARE = 4  # write-behind holds at most 1/4 of a namespace's pages at once
-STAGE_BYTES = 128 << 20  # TCP gets land here first (see _fetch_staged); resident once used
 
 
 @dataclass
@@ -190,136 +187,6 @@ def exist(tier: ClusterTier, space: Space, keys: list[bytes], *, prefix: bool = 
     tier._learn(space, [k for k, held in zip(keys, out) if held])
     tier.health.mark_up()
     return out
-
-
-def promote(tier: ClusterTier, space: Space, keys: list[bytes], body: dict[str, Any]) -> None:
-    """Fetch the cluster's pages of ``keys`` into reserved pages; commit only verified ones."""
-    try:
-        _register(tier, space)  # early: the region is the target of RDMA gets, and puts later
-    except ClusterUnavailableError as exc:
-        raise ClusterDown(str(exc)) from None
-    for start in range(0, len(keys), tier.config.batch_pages):
-        chunk = keys[start:start + tier.config.batch_pages]
-        held = exist(tier, space, chunk, prefix=False)
-        have = [k for k, h in zip(chunk, held) if h]
-        body["missing"] += len(chunk) - len(have)
-        body["missing_keys"].extend(k for k, h in zip(chunk, held) if not h)
-        tier.counters["missing_pages"] += len(chunk) - len(have)
-        if not have:
-            continue
-        mine, busy = tier._on_loop(tier._reserve, space, have)
-        body["busy"] += busy
-        if len(mine) + busy < len(have):  # committed meanwhile, or no room left
-            body["local"] += len(have) - len(mine) - busy
-        if mine:
-            _fetch(tier, space, mine, body)
-
-
-def _fetch(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], body: dict[str, int]) -> None:
-    """TCP: staged and pipelined (``_fetch_staged``); RDMA: straight into the pages."""
-    per = fmt.HEADER_BYTES + space.ns.layout.page_bytes
-    half = STAGE_BYTES // 2
-    if tier.config.protocol != "tcp" or per > half:
-        _fetch_direct(tier, space, mine, body)
-        return
-    cap = half // per
-    subs = [mine[i:i + cap] for i in range(0, len(mine), cap)]
-    stage = _stage(tier)
-    getter = tier.getter()
-    pending = getter.submit(_get_staged, tier, space, subs[0], stage, 0)
-    finishing = -1
-    try:
-        for k, sub in enumerate(subs):
-            got = pending.result()
-            if k + 1 < len(subs):  # the next half's get runs while this half is checked and copied
-                pending = getter.submit(_get_staged, tier, space, subs[k + 1], stage, ((k + 1) % 2) * half)
-            finishing = k
-            _fetch_staged(tier, space, sub, got, stage[(k % 2) * half:], body)
-    finally:
-        if finishing + 1 < len(subs):  # stopped early: the rest was reserved but not fetched
-            try:
-                pending.result()  # its get writes into the stage: let it end before reuse
-            except Exception:
-                pass
-            rest = [pair for sub in subs[finishing + 1:] for pair in sub]
-            tier._on_loop(tier._settle, space, [], rest, undo=True)
-
-
-def _get_staged(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], stage: np.ndarray,
-                offset: int) -> list[int]:
-    """Whole values of ``mine`` into ``stage[offset:]``, one after another (getter thread)."""
-    per = fmt.HEADER_BYTES + space.ns.layout.page_bytes
-    base = int(stage.ctypes.data) + offset
-    started = time.perf_counter()
-    got = _backend(tier).get_into([fmt.cluster_key(space.fp, k) for k, _ in mine],
-                                  [base + i * per for i in range(len(mine))], [per] * len(mine))
-    tier.counters["get_s"] += time.perf_counter() - started
-    return got
-
-
-def _fetch_staged(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], got: list[int],
-                  stage: np.ndarray, body: dict[str, int]) -> None:
-    """Check the staged values of ``mine`` and copy the good ones to their pages; commit or abort.
-
-    Mooncake's TCP transport moves each buffer of a multi-buffer get as its own
-    request, which makes a page's ``num_layers`` runs about 3x slower than one
-    contiguous value (docs/cluster.md); a strided copy per page costs less.
-    """
-    page_bytes = space.ns.layout.page_bytes
-    per = fmt.HEADER_BYTES + page_bytes
-    good: list[tuple[bytes, int]] = []
-    try:
-        verdicts = verify.verdicts(tier, space, mine, got)
-        pages = space.region.pages_view()
-        layers = space.ns.layout.num_layers
-        for i, (key, page) in enumerate(mine):
-            if verdicts[i] != "size":
-                continue
-            value = stage[i * per:(i + 1) * per]
-            if verify.verified(tier, space, key, value[:fmt.HEADER_BYTES].tobytes(),
-                         [value[fmt.HEADER_BYTES:]], body):
-                pages[:, page, :] = value[fmt.HEADER_BYTES:].reshape(layers, -1)
-                good.append((key, page))
-        verify.count_failed(tier, space, mine, got, verdicts, body)
-    finally:
-        tier._on_loop(tier._settle, space, good, [pair for pair in mine if pair not in good], undo=True)
-    verify.count_promoted(tier, body, len(good), page_bytes)
-
-
-def _fetch_direct(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]],
-                  body: dict[str, int]) -> None:
-    """RDMA: header and every layer slice straight into the reserved page, no staging copy."""
-    page_bytes = space.ns.layout.page_bytes
-    good: list[tuple[bytes, int]] = []
-    try:
-        _register(tier, space)
-        ptrs, sizes = [], []
-        for i, (_key, page) in enumerate(mine):
-            addrs, lens = space.slices(page)
-            ptrs.append([_header_address(tier, i), *addrs])
-            sizes.append([fmt.HEADER_BYTES, *lens])
-        started = time.perf_counter()
-        got = _backend(tier).get([fmt.cluster_key(space.fp, k) for k, _ in mine], ptrs, sizes)
-        tier.counters["get_s"] += time.perf_counter() - started
-        verdicts = verify.verdicts(tier, space, mine, got)
-        for i, (key, page) in enumerate(mine):
-            if verdicts[i] != "size":
-                continue
-            header = bytes(tier._headers[i * fmt.HEADER_BYTES:(i + 1) * fmt.HEADER_BYTES])
-            if verify.verified(tier, space, key, header, space.views(page), body):
-                good.append((key, page))
-        verify.count_failed(tier, space, mine, got, verdicts, body)
-    finally:
-        tier._on_loop(tier._settle, space, good, [pair for pair in mine if pair not in good], undo=True)
-    verify.count_promoted(tier, body, len(good), page_bytes)
-
-
-def _stage(tier: ClusterTier) -> np.ndarray:
-    """The registered staging buffer of TCP gets (allocated on first use)."""
-    if tier._stage is None:
-        tier._stage = np.zeros(STAGE_BYTES, dtype=np.uint8)
-    _backend(tier).register(int(tier._stage.ctypes.data), tier._stage.nbytes)
-    return tier._stage
 
 
 def _requeue(tier: ClusterTier, held: list[tuple[Space, bytes, int, int]]) -> None:

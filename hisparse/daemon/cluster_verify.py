@@ -1,6 +1,6 @@
 """What a value fetched from the cluster is: a page to commit, missing, failed, or refused.
 
-Called by the cluster worker's promotion path (``cluster_io``) on the
+Called by the cluster worker's promotion path (``cluster_promote``) on the
 values a get brought. A value is committed only when its header and content
 hash match the key it was asked for; anything else is refused (counted,
 logged, removed from the cluster). A failed get fails its keys: the tier is
@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from hisparse.cluster import format as fmt
 from hisparse.daemon.cluster_health import ClusterDown, master_answers
@@ -23,17 +26,34 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode::OBJECT_NOT_FOUND
+# The header's bytes before the digest that ``fmt.verify`` checks: magic, version, size and
+# fingerprint (not the flags, at 6:8); then the digest.
+FIXED_COLUMNS = np.r_[0:6, 8:32]
+DIGEST = slice(32, 48)
 
 
-def verified(tier: ClusterTier, space: Space, key: bytes, header: bytes, parts: list[Any],
-              body: dict[str, int]) -> bool:
-    """A fetched value's header and content hash match ``key``; a bad one is refused, never committed."""
+def checked(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], verdicts: list[str],
+            heads: np.ndarray, parts_of: Callable[[int], list[Any]], body: dict[str, Any]) -> list[int]:
+    """The rows of ``mine`` whose value is that page (a "size" verdict, a header and a content
+    hash that match, as ``fmt.verify`` checks); the others are refused. ``heads``: one header a row.
+    The headers are compared at once; per page, only its hash is computed."""
     started = time.perf_counter()
-    why = fmt.verify(header, space.fp, space.ns.layout.page_bytes, fmt.content_hash(key, parts))
+    page_bytes = space.ns.layout.page_bytes
+    expected = np.frombuffer(fmt.pack_header(space.fp, page_bytes, bytes(16)), dtype=np.uint8)
+    fixed = (heads[:, FIXED_COLUMNS] == expected[FIXED_COLUMNS]).all(axis=1).tolist()
+    good = []
+    for i, verdict in enumerate(verdicts):
+        if verdict != "size":
+            continue
+        key = mine[i][0]
+        digest = fmt.content_hash(key, parts_of(i))
+        if fixed[i] and heads[i, DIGEST].tobytes() == digest:
+            good.append(i)
+        else:
+            refuse(tier, space, key, fmt.verify(heads[i].tobytes(), space.fp, page_bytes, digest)
+                   or "header differs", body)
     tier.counters["hash_s"] += time.perf_counter() - started
-    if why is not None:
-        refuse(tier, space, key, why, body)
-    return why is None
+    return good
 
 
 def verdicts(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]],

@@ -41,6 +41,13 @@ from hisparse.shm.fence import FENCE_DIR_MODE, fence_dir_for
 log = logging.getLogger("hisparse.daemon")
 
 LOCK_NAME = "hisparsed.lock"
+# How long a thread running Python keeps the GIL while another waits for it (CPython's
+# default is 5 ms). The loop waits that long for every request while a background thread
+# (the cluster worker verifying a promotion, the allocator) runs Python, so it is kept
+# well under a millisecond: the loop answers within one switch, at the cost of a few
+# more thread switches. The door watch (daemon.door) needs it too: a connect flood uses up
+# the descriptors' headroom in a few milliseconds.
+GIL_SWITCH_S = 0.0005
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -219,10 +226,8 @@ def _cluster_tier(cfg: config_mod.ClusterConfig):
 
 
 def run(cfg: config_mod.Config) -> int:
+    sys.setswitchinterval(GIL_SWITCH_S)
     fd_limit = raise_fd_limit()  # sessions and connections are counted against it (daemon.limits)
-    # The door watch (daemon.door) and the loop share the GIL: a busy loop hands it over
-    # within this interval (CPython's default is 5 ms, long enough for a connect flood).
-    sys.setswitchinterval(0.001)
     log.info("RLIMIT_NOFILE %d; %d kept free (fd_headroom)", fd_limit, cfg.fd_headroom)
     # First the socket's directory: meta/, fences/ and the token go beside it.
     trust.private_dir(os.path.dirname(cfg.socket), "socket directory", allow_root_owner=True)

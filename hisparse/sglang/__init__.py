@@ -12,8 +12,7 @@ hisparse.sglang`` works where SGLang is not installed.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hisparse._lazy import lazy_exports
 
 _EXPORTS = {
     "HisparseStore": "hisparse.sglang.store",
@@ -23,12 +22,5 @@ _EXPORTS = {
     "UnsupportedSglangVersion": "hisparse.sglang.versions",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hisparse.sglang' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

@@ -13,8 +13,7 @@ not installed. See docs/vllm.md.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hisparse._lazy import lazy_exports
 
 _EXPORTS = {
     "HiSparseOffloadingSpec": "hisparse.vllm.spec",
@@ -23,12 +22,5 @@ _EXPORTS = {
     "AdapterConfig": "hisparse.vllm.config",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hisparse.vllm' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

@@ -53,7 +53,7 @@ from hisparse.vllm.fences import WorkerFences
 from hisparse.vllm.host_region import HostGeometry
 from hisparse.vllm.rpc import NamespaceOps
 from hisparse.vllm.versions import check_vllm_version
-from hisparse.vllm.worker_pool import (  # noqa: F401  (attach_host_region, region_info: public here too)
+from hisparse.vllm.worker_pool import (
     adopt_or_install,
     attach_host_region,
     pool_namespace,
@@ -61,6 +61,10 @@ from hisparse.vllm.worker_pool import (  # noqa: F401  (attach_host_region, regi
 )
 
 log = logging.getLogger(__name__)
+
+# worker_pool's attach_host_region and region_info: public here too (re-exported on purpose)
+__all__ = ["HiSparseConnector", "HiSparsePoolMetadata", "attach_host_region", "install_daemon_pool",
+           "pin_before_lookups", "region_info", "reserve_before_admission"]
 
 
 @dataclass

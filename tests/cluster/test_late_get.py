@@ -26,7 +26,7 @@ import textwrap
 import pytest
 
 from hisparse.cluster import mooncake
-from hisparse.daemon import cluster_io, config
+from hisparse.daemon import cluster_promote, config
 from hisparse.daemon.main import _cluster_tier
 from hisparse.daemon.namespaces import Registry
 from hisparse.shm.region import RegionMap
@@ -78,7 +78,7 @@ def peer(master):
 def test_a_timed_out_direct_get_never_lands_in_a_reused_page(master, peer, tmp_path, monkeypatch):
     monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "1")
     monkeypatch.setenv("MC_TCP_STATUS_TIMEOUT_SEC", "1")
-    monkeypatch.setattr(cluster_io, "STAGE_BYTES", 0)  # every get direct, as over RDMA
+    monkeypatch.setattr(cluster_promote, "STAGE_BYTES", 0)  # every get direct, as over RDMA
     (tmp_path / "shm").mkdir()
     (tmp_path / "run" / "meta").mkdir(parents=True)
     cfg = config.build(env={}, flags={"socket": str(tmp_path / "run" / "s.sock"),

@@ -16,8 +16,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -26,6 +24,7 @@ from hisparse.paths import access_key_path, read_access_key
 from hisparse.protocol import ErrorCode, Op
 from tests.conftest import Daemon
 from tests.rawclient import RawClient, keys_for
+from tests.tenants import as_user
 
 LAYOUT = KVLayout(num_layers=3, block_tokens=4, row_bytes=16)  # 192-byte pages
 TENANT_UID = 4243
@@ -33,28 +32,6 @@ GROUP = "hsp-test-team-a"
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("groupadd") is None,
                                 reason="tenants are other users: needs root and groupadd (CI has both)")
-
-
-def as_user(groups: list[int], fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` in a forked child as uid TENANT_UID with exactly ``groups``; its JSON result."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.close(read)
-            os.setgroups(groups)
-            os.setgid(groups[0])
-            os.setuid(TENANT_UID)
-            out = {"ok": fn()}
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            out = {"error": f"{type(exc).__name__}: {exc}"}
-        os.write(write, json.dumps(out).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(data)
 
 
 @pytest.fixture
@@ -115,7 +92,7 @@ def test_only_members_of_a_namespaces_group_attach_see_or_map_it(shared_daemon, 
     st = os.stat(key_path)
     assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (team_gid, 0o640)
     # a member: attaches, stores, reads back its page
-    member = as_user([0, team_gid], lambda: _attach_and_store(d.socket))
+    member = as_user(TENANT_UID, lambda: _attach_and_store(d.socket), [0, team_gid])
     assert member == {"ok": {"stored": 2, "read": "t" * 192, "stats": ["secret"]}}, member
     # the region file belongs to the group, 0660: only its members can map it
     owner = RawClient(d.socket)
@@ -132,10 +109,10 @@ def test_only_members_of_a_namespaces_group_attach_see_or_map_it(shared_daemon, 
     st = os.stat(secret_region)
     assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (team_gid, 0o660)
     # someone else: cannot read the key, so the daemon refuses; nor can it map the region
-    other = as_user([0], lambda: _attach_and_store(d.socket))
+    other = as_user(TENANT_UID, lambda: _attach_and_store(d.socket), [0])
     assert other["ok"]["refused"].startswith(f"[{ErrorCode.PERMISSION_DENIED.value}]"), other
     assert f"restricted to group '{GROUP}'" in other["ok"]["refused"]
-    assert as_user([0], lambda: _steal_region(secret_region)) == {"ok": "denied"}
+    assert as_user(TENANT_UID, lambda: _steal_region(secret_region), [0]) == {"ok": "denied"}
     # an admin session without the token sees neither the namespace nor its sessions
     plain = RawClient(d.socket)
     try:

@@ -270,3 +270,22 @@ def engines(hisparsed: Any) -> Iterator[Any]:
     yield make
     for engine in made:
         engine.close()
+
+
+@pytest.fixture
+def vllm_engines(hisparsed: Any) -> Iterator[Any]:
+    """``vllm_engines(**VllmEngine keywords)`` -> vLLM's real Scheduler over the test's daemon
+    (``tests.vllm.harness``), shut down at the end of the test."""
+    from tests.vllm.harness import VllmEngine  # builds vLLM's whole scheduler: only where used
+
+    made: list[VllmEngine] = []
+
+    def make(**kw: Any) -> VllmEngine:
+        engine = VllmEngine(hisparsed.socket, **kw)
+        made.append(engine)
+        return engine
+
+    make.daemon = hisparsed  # type: ignore[attr-defined]
+    yield make
+    for engine in made:
+        engine.shutdown()

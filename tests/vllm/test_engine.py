@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -29,21 +28,6 @@ from tests.vllm.harness import BLOCK_SIZE, VllmEngine, prompt
 
 LENGTH = FinishReason.LENGTH
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture
-def vllm_engines(hisparsed) -> Iterator[Any]:
-    made: list[VllmEngine] = []
-
-    def make(**kw: Any) -> VllmEngine:
-        engine = VllmEngine(hisparsed.socket, **kw)
-        made.append(engine)
-        return engine
-
-    make.daemon = hisparsed  # type: ignore[attr-defined]
-    yield make
-    for engine in made:
-        engine.shutdown()
 
 
 def snapshot(engine: VllmEngine) -> dict[str, Any]:

@@ -9,26 +9,9 @@ engine that runs the same prompt then computes it all, loading nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
-
 from tests.vllm.harness import VllmEngine, prompt
-
-
-@pytest.fixture
-def vllm_engines(hisparsed) -> Iterator[Any]:
-    made: list[VllmEngine] = []
-
-    def make(**kw: Any) -> VllmEngine:
-        engine = VllmEngine(hisparsed.socket, **kw)
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in made:
-        engine.shutdown()
 
 
 def snapshot(engine: VllmEngine) -> dict[str, Any]:
