@@ -55,7 +55,8 @@ EDGE_RECOUNT_INTERVAL_S = 0.05
 LARGE_FRAME_BYTES = 256 << 10  # a 4,000-key lookup; most requests are a few KB
 LARGE_SENDER_S = 1.0  # a connection counts as a large sender this long after a large frame
 LARGE_BACKOFF_S = 1.0  # a uid refused large frames has its new connections shed this long,
-LARGE_BACKOFF_MAX_S = 8.0  # doubling while it keeps trying, up to this
+LARGE_BACKOFF_MAX_S = 2.0  # doubling while it keeps trying, up to this: short, since an engine
+# of the same uid connecting meanwhile waits it out too (its client resends on reconnect)
 
 
 def raise_fd_limit() -> int:
@@ -201,7 +202,7 @@ class Limits:
         budget a new large sender is refused (and shed). Its uid then sits out
         a backoff (``in_large_backoff``): its new connections are shed as they
         are accepted, before libzmq reads their frames, so reconnecting does
-        not buy it room (1 s, doubling while it keeps trying, at most 8 s).
+        not buy it room (1 s, doubling while it keeps trying, at most 2 s).
         """
         now = time.monotonic()
         self.large_sender_bytes = per_connection_bytes
