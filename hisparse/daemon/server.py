@@ -185,7 +185,7 @@ class Server:
 
     def _handle(self, identity: bytes, envelope: list[bytes], body: list[bytes],
                 refusal: str | None) -> None:
-        if refusal is None and self.guard.shedding(identity):
+        if refusal is None and self.guard.refusing and self.guard.shedding(identity):
             return  # read before its connection was told why; unanswered now
         if refusal is not None:
             reply = protocol.encode_error(None, ErrorCode.QUOTA_EXCEEDED, refusal)
