@@ -38,6 +38,8 @@ class DaemonContext:
     cluster: Any = None  # hisparse.daemon.cluster.ClusterTier when [cluster] is on
     requests_total: int = 0
     errors_total: int = 0
+    requests_in_slices: int = 0  # large writes begun, not yet answered (daemon.slicing)
+    request_slices_total: int = 0  # their slices served after the first
     opstats: OpStats = field(default_factory=OpStats)
     transport_stats: Callable[[], dict[str, int]] = lambda: {}
     access: AccessControl | None = None  # None: every namespace open (no prepare)

@@ -1,7 +1,8 @@
 """One request frame in, one reply frame out: decode once, route to its handler, never raise.
 
 ``dispatch`` turns a request frame into a reply frame (or a ``Deferred`` whose
-future finishes it later, ``finish``). A ``WireError`` becomes its typed error
+future finishes it later, ``finish``; or, for the server, a ``Sliced`` whose
+slices ``resume`` serves in turns). A ``WireError`` becomes its typed error
 reply, anything else ``INTERNAL`` plus a logged traceback; each request's
 latency goes to the op's statistics.
 """
@@ -13,16 +14,21 @@ import time
 
 from hisparse import protocol
 from hisparse.daemon.handlers import HANDLERS, DaemonContext, Deferred
+from hisparse.daemon.slicing import Sliced
 from hisparse.daemon.sweep import GATED_OPS
 from hisparse.protocol import ErrorCode, WireError
 
 log = logging.getLogger(__name__)
 
 
-def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"",
-             on_invalid=None) -> bytes | tuple[int | None, Deferred]:
+Pending = tuple[int | None, Deferred | Sliced]
+
+
+def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"", on_invalid=None,
+             sliced: bool = False) -> bytes | Pending:
     """One request frame from connection ``peer`` in, one reply frame out (or a ``Deferred``
-    to finish later). Decodes the frame once; ``on_invalid()`` when it is no request at all
+    to finish later; with ``sliced``, a ``Sliced`` to ``resume``: else its slices are served
+    now). Decodes the frame once; ``on_invalid()`` when it is no request at all
     (``PROTOCOL_ERROR``: not a request map, not msgpack). Never raises."""
     started_ns = time.perf_counter_ns()
     ctx.requests_total += 1
@@ -35,12 +41,12 @@ def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"",
         return _refusal(ctx, exc.rid, exc)
     except Exception as exc:
         return _internal(ctx, None, exc)
-    return serve_request(ctx, req, peer, started_ns)
+    return serve_request(ctx, req, peer, started_ns, sliced)
 
 
 def serve_request(ctx: DaemonContext, req: protocol.Request, peer: bytes,
-                  started_ns: int) -> bytes | tuple[int | None, Deferred]:
-    """A decoded request's reply (or ``Deferred``). Never raises."""
+                  started_ns: int, sliced: bool = False) -> bytes | Pending:
+    """A decoded request's reply (or what ``dispatch`` says). Never raises."""
     ctx.peer = peer
     rid = req.id
     op = req.op._value_  # Enum's ``value`` is a property, ten times the cost
@@ -58,11 +64,17 @@ def serve_request(ctx: DaemonContext, req: protocol.Request, peer: bytes,
                       session.handle if session else "-")
         sweep = ctx.fence_sweep
         if sweep is not None and req.op in GATED_OPS and sweep.running:  # pages wait for the sweep
-            body = sweep.after(lambda: HANDLERS[req.op](ctx, session, req),
+            body = sweep.after(lambda: _whole(HANDLERS[req.op](ctx, session, req)),
                                lambda: session is None or ctx.sessions.sessions.get(session.id) is session)
         else:
             body = HANDLERS[req.op](ctx, session, req)
-        if isinstance(body, Deferred):
+        if isinstance(body, Sliced):
+            if sliced:
+                body.op, body.started_ns = op, started_ns
+                ctx.requests_in_slices += 1
+                return rid, body
+            body = body.finish()
+        elif isinstance(body, Deferred):
             # the request's latency runs until the work off the loop is done
             body.future.add_done_callback(
                 lambda _, op=op: ctx.opstats.observe(op, time.perf_counter_ns() - started_ns))
@@ -91,6 +103,32 @@ def finish(ctx: DaemonContext, rid: int | None, deferred: Deferred, future) -> b
         return _refusal(ctx, rid, exc)
     except Exception as exc:
         return _internal(ctx, rid, exc)
+
+
+def resume(ctx: DaemonContext, rid: int | None, sliced: Sliced, to_end: bool = False) -> bytes | None:
+    """The next slice of a sliced request (``to_end``: every one left): its reply once the
+    last is served, else None. Never raises."""
+    ctx.request_slices_total += 1
+    try:
+        body = sliced.finish() if to_end else sliced.step()
+        if body is None:
+            return None
+        ctx.requests_in_slices -= 1
+        reply = protocol.encode_ok(rid, body)
+        ctx.opstats.observe(sliced.op, time.perf_counter_ns() - sliced.started_ns)
+        return reply
+    except WireError as exc:
+        ctx.requests_in_slices -= 1
+        ctx.opstats.observe(sliced.op, time.perf_counter_ns() - sliced.started_ns)
+        return _refusal(ctx, rid, exc)
+    except Exception as exc:
+        ctx.requests_in_slices -= 1
+        return _internal(ctx, rid, exc)
+
+
+def _whole(body):
+    """A handler's body with every slice served (a request that waited for the start-up sweep)."""
+    return body.finish() if isinstance(body, Sliced) else body
 
 
 def _refusal(ctx: DaemonContext, rid: int | None, exc: WireError) -> bytes:

@@ -1,13 +1,18 @@
-"""Requests read but not yet served, one queue per peer (uid), served in turn.
+"""Requests read but not yet served: turns per peer (uid), then per connection.
 
 ZeroMQ's ROUTER already takes one message from each connection in turn, so
 a peer with a hundred connections would get a hundred turns for every one
 of an engine with a single connection. The loop therefore reads what is
 waiting (cheap: a copy) into this queue, up to ``MAX_QUEUED`` requests or
 ``MAX_QUEUED_BYTES``, and serves one request of each uid per round (the
-expensive part: decode, handler, reply). A tenant's flood then costs another
-tenant's request at most one request of the flood's per round, and the read
-that found it.
+expensive part: decode, handler, reply; a large write's handler a slice a
+turn, ``slicing.py``). Within a uid its connections take turns (engines
+of one service user do not wait behind each other's large requests, nor
+behind one connection's pipelined flood), and one connection's requests
+are served in the order they came: a session lives on one connection, so
+its requests take effect in the order its client sent them.
+A tenant's flood costs another tenant's request at most one request (or
+slice) of the flood's per round, and the read that found it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ MAX_QUEUED_BYTES = 16 << 20  # ... or this many bytes of them
 
 class FairQueue:
     def __init__(self) -> None:
-        self.queues: dict[object, deque] = {}  # uid -> requests, in arrival order
+        # uid -> connection -> requests in arrival order; a dict's order is the turns' order
+        self.queues: dict[object, dict[bytes, deque]] = {}
         self.count = 0
         self.nbytes = 0
 
@@ -28,30 +34,46 @@ class FairQueue:
         """Whether to read more before serving."""
         return self.count < MAX_QUEUED and self.nbytes < MAX_QUEUED_BYTES
 
-    def put(self, uid: object, item: tuple, size: int) -> None:
-        queue = self.queues.get(uid)
+    def _queue(self, uid: object, connection: bytes) -> deque:
+        conns = self.queues.get(uid)
+        if conns is None:
+            conns = self.queues[uid] = {}
+        queue = conns.get(connection)
         if queue is None:
-            queue = self.queues[uid] = deque()
-        queue.append((item, size))
+            queue = conns[connection] = deque()
+        return queue
+
+    def put(self, uid: object, connection: bytes, item: tuple, size: int) -> None:
+        self._queue(uid, connection).append((item, size))
         self.count += 1
         self.nbytes += size
 
+    def put_front(self, uid: object, connection: bytes, item: tuple) -> None:
+        """``item`` first in its connection's queue: the rest of a request served in slices."""
+        self._queue(uid, connection).appendleft((item, 0))
+        self.count += 1
+
     def round(self) -> list[tuple]:
-        """One request of each uid that has any, in order of first arrival."""
+        """One request of each uid that has any, in order of first arrival; of a uid's
+        connections, the one whose turn it is (it then goes last)."""
         taken = []
         for uid in list(self.queues):
-            queue = self.queues[uid]
+            conns = self.queues[uid]
+            connection = next(iter(conns))
+            queue = conns.pop(connection)
             item, size = queue.popleft()
             taken.append(item)
             self.nbytes -= size
-            if not queue:
+            if queue:
+                conns[connection] = queue  # to the back of its uid's turns
+            elif not conns:
                 del self.queues[uid]
         self.count -= len(taken)
         return taken
 
     def drain(self) -> list[tuple]:
-        """Everything still queued (shutdown), in arrival order per uid."""
-        items = [item for queue in self.queues.values() for item, _ in queue]
+        """Everything still queued (shutdown), in arrival order per connection."""
+        items = [item for conns in self.queues.values() for queue in conns.values() for item, _ in queue]
         self.queues.clear()
         self.count = self.nbytes = 0
         return items

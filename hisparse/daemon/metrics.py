@@ -174,6 +174,10 @@ class SnapshotCollector:
         yield GaugeMetricFamily("hisparse_request_bytes_in_flight", "what connections sending large "
                                 "frames may have the daemon hold now (max_request_bytes_in_flight)",
                                 value=d["request_bytes_in_flight"])
+        yield GaugeMetricFamily("hisparse_requests_in_slices", "large writes being served a slice "
+                                "per turn now", value=d["requests_in_slices"])
+        yield CounterMetricFamily("hisparse_request_slices", "slices of large writes served after "
+                                  "their first", value=d["request_slices"])
 
     def _namespaces(self, namespaces: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         label = ["namespace"]

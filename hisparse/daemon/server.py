@@ -21,10 +21,11 @@ from hisparse import protocol
 from hisparse.daemon import notify
 from hisparse.daemon.connections import ConnectionGuard
 from hisparse.daemon.fairness import FairQueue
-from hisparse.daemon.dispatch import dispatch, finish, serve_request
+from hisparse.daemon.dispatch import dispatch, finish, resume, serve_request
 from hisparse.daemon.handlers import DaemonContext
 from hisparse.daemon.limits import FD_RECOUNT_INTERVAL_S, LARGE_FRAME_BYTES, Limits, caps_of
 from hisparse.daemon.outbox import Outbox
+from hisparse.daemon.slicing import Sliced
 from hisparse.protocol import ErrorCode, Op, WireError
 
 log = logging.getLogger(__name__)
@@ -157,8 +158,7 @@ class Server:
                     if refusal is None and size > LARGE_FRAME_BYTES:
                         refusal = guard.admit_large_frame(identity, size, CONNECTION_REQUEST_BYTES)
                     if refusal != "":  # "": its connection was told why, once; being shed
-                        peer = guard.limits.peers.get(identity)
-                        fair.put(peer.uid if peer is not None else None,
+                        fair.put(self._uid(identity), identity,
                                  (self._handle, identity, envelope, body, refusal), size)
                 if not fair.count:
                     break
@@ -197,11 +197,14 @@ class Server:
             self.ctx.peer_address = known.address if known is not None else None
             try:  # a large frame that is no request at all costs its sender the connection
                 result = dispatch(self.ctx, body[0], identity, None if len(body[0]) <= LARGE_FRAME_BYTES
-                                  else lambda: self.guard.shed_invalid_large(identity))
+                                  else lambda: self.guard.shed_invalid_large(identity), sliced=True)
             finally:
                 self.ctx.peer_address = None
             if isinstance(result, tuple):  # its reply is finished in the owner's turn too
                 rid, deferred = result
+                if isinstance(deferred, Sliced):
+                    self._next_slice(identity, envelope, rid, deferred)
+                    return
                 deferred.future.add_done_callback(
                     lambda f: self._queue_finish(identity, envelope, rid, deferred, f))
                 return
@@ -211,14 +214,31 @@ class Server:
     def _queue_finish(self, identity: bytes, envelope: list[bytes], rid, deferred, future) -> None:
         """A deferred request's work is done: its reply is finished (a hello's session opened,
         say) in its uid's turn, not all at once (a namespace's creation frees many)."""
-        peer = self.guard.limits.peers.get(identity)
-        self.fair.put(peer.uid if peer is not None else None,
+        self.fair.put(self._uid(identity), identity,
                       (self._finish, identity, envelope, rid, deferred, future), 0)
         if not self._reading:
             asyncio.get_running_loop().call_soon(self._on_readable)
 
     def _finish(self, identity: bytes, envelope: list[bytes], rid, deferred, future) -> None:
         self._send([identity, *envelope, finish(self.ctx, rid, deferred, future)])
+
+    def _next_slice(self, identity: bytes, envelope: list[bytes], rid, sliced: Sliced) -> None:
+        """A large write's next slice is served in its connection's next turn, before that
+        connection's later requests (``daemon.slicing``)."""
+        self.fair.put_front(self._uid(identity), identity, (self._slice, identity, envelope, rid, sliced))
+
+    def _slice(self, identity: bytes, envelope: list[bytes], rid, sliced: Sliced,
+               to_end: bool = False) -> None:
+        reply = resume(self.ctx, rid, sliced, to_end)
+        if reply is None:
+            self._next_slice(identity, envelope, rid, sliced)
+        else:
+            self._send([identity, *envelope, reply])
+
+    def _uid(self, identity: bytes) -> object:
+        """Whose turn a connection's requests take: its peer's uid (None: the kernel named none)."""
+        peer = self.guard.limits.peers.get(identity)
+        return peer.uid if peer is not None else None
 
     def _send(self, frames: list[bytes]) -> None:
         self.outbox.send(frames)
@@ -230,6 +250,8 @@ class Server:
         for fn, identity, envelope, *rest in self.fair.drain():
             if fn == self._finish:
                 fn(identity, envelope, *rest)  # its work is done: the reply goes
+            elif fn == self._slice:
+                fn(identity, envelope, *rest, to_end=True)  # begun: its slices left are served
             else:
                 self._handle_draining([identity, *envelope, *rest[0]])
         deadline = time.monotonic() + 1.0

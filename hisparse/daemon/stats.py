@@ -50,6 +50,7 @@ def handle_stats(ctx: DaemonContext, session: Session, req: Request) -> dict[str
         "lease_ttl_s": ctx.sessions.lease_ttl_s,
         "metrics_address": ctx.config.metrics_endpoint,
         "requests": ctx.requests_total, "errors": ctx.errors_total,
+        "requests_in_slices": ctx.requests_in_slices, "request_slices": ctx.request_slices_total,
         "evicted_pages": sum(ns.index.counters.evicted_pages for ns in ctx.registry.namespaces.values()),
         "fenced_sessions": len(ctx.sessions.zombies),
         "fenced_sessions_released": ctx.sessions.zombies_released_total,
