@@ -293,7 +293,11 @@ def handle_publish(ctx: DaemonContext, session: Session, req: PublishRequest) ->
     vLLM's HiSparse host pool hands a block out before its tokens exist, so
     the reservation's key is a placeholder and the block hash comes at
     publication. A key someone already committed (or is writing) is not
-    published twice: that reservation stays held, its page id is -1 here.
+    published twice, and a reservation taken before a ``clear`` is never
+    published after it: that reservation stays held (its engine may still be
+    using the page), its page id is -1 here. Refused once for a clear, the
+    reservation is a fresh one again: the block vLLM's pool next writes into
+    that page comes after the clear.
     """
     return _sliced(ctx, session, _publish(ctx, session, req, ns_of(session)))
 
@@ -312,7 +316,12 @@ def _publish(ctx: DaemonContext, session: Session, req: PublishRequest, ns: Name
         keys = index.keys  # re-read each slice: a namespace's clear rebuilds it
         done: list[tuple[bytes, int]] = []
         settled: list[bytes] = []
+        cleared = index.cleared_writes
         for key, new_key, page in zip(req.keys[start:stop], req.as_keys[start:stop], held[start:stop]):
+            if page in cleared:  # reserved before a clear: what it holds now may predate it
+                cleared.discard(page)  # the page's next use (a block written after it) may publish
+                pages.append(-1)
+                continue
             if new_key != key and new_key in keys:
                 pages.append(-1)
                 continue

@@ -103,7 +103,8 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
               "ended_sessions": "int: sessions ended (needs force: true when any were attached)"},
     Op.EVICT_SESSION: {"freed_pages": "int: fenced pages freed", "released_pins": "int"},
     Op.PUBLISH: {"pages": "list[int], one per key: the page now committed under as_keys[i], or -1 "
-                          "when as_keys[i] was already taken (that reservation stays held under keys[i])"},
+                          "when as_keys[i] was already taken or keys[i] was reserved before a clear (that "
+                          "reservation stays held under keys[i])"},
     Op.PREFETCH: {"queued": "int: keys being promoted in the background (wait: false)",
                   "promoted": "int: pages fetched, verified and committed", "local": "int: "
                   "already committed here", "missing": "int: not in the cluster",
