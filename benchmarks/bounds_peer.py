@@ -1,8 +1,9 @@
-"""Peers that try the daemon's bounds (issue 20, items 1-3), each a process run until killed.
+"""Peers that try the daemon's bounds (decode bombs, hello floods, large frames, the largest writes), each a process run until killed.
 
     python benchmarks/bounds_peer.py SOCKET bomb            # decode bombs: ~3 MB pings of 1M+ arrays
     python benchmarks/bounds_peer.py SOCKET hellos          # hellos pipelined, connection after connection
     python benchmarks/bounds_peer.py SOCKET frames N SIZE   # N connections, each sending SIZE-byte frames
+    python benchmarks/bounds_peer.py SOCKET writes N        # N sessions reserving and aborting 16,384 keys
 
 None of them reads a reply unless it must. Each prints ``flooding`` once it
 has started, so a caller can wait for it. Used by ``benchmarks/hostile.py``.
@@ -122,6 +123,38 @@ def frames(socket_path: str, connections: int, size: int) -> None:
         time.sleep(0.001)
 
 
+def writes(socket_path: str, sessions: int) -> None:
+    """The largest legal writes, back to back: each session reserves 16,384 keys, then aborts
+    them, on its own connection (a tenant's bulk import, or a buggy engine)."""
+    import fcntl
+
+    from hisparse.shm.fence import fence_dir_for
+
+    n = protocol.MAX_KEYS_PER_REQUEST
+    socks, held = [], []
+    for i in range(sessions):
+        sock = dealer(socket_path)
+        sock.send(protocol.encode_request(Op.HELLO, 1, namespace="hostile-writes", layout=LAYOUT,
+                                          capacity_bytes=LAYOUT.page_bytes * n * sessions * 2,
+                                          client="largest writes"))
+        hello = protocol.decode_reply(sock.recv()).result()
+        fd = os.open(os.path.join(fence_dir_for(socket_path), hello["fence"]), os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # reserve needs it
+        keys = [os.urandom(36) for _ in range(n)]
+        socks.append((sock, hello["session"], keys))
+        held.append(fd)
+    print("flooding", flush=True)
+    rid = 1
+    while True:
+        for sock, session, keys in socks:
+            rid += 2
+            sock.send(protocol.encode_request(Op.RESERVE, rid, session=session, keys=keys))
+            sock.send(protocol.encode_request(Op.ABORT, rid + 1, session=session, keys=keys, missing_ok=True))
+        for sock, _, _ in socks:
+            sock.recv()
+            sock.recv()
+
+
 def main(argv: list[str]) -> int:
     socket_path, kind = argv[0], argv[1]
     if kind == "bomb":
@@ -130,6 +163,8 @@ def main(argv: list[str]) -> int:
         hellos(socket_path)
     elif kind == "frames":
         frames(socket_path, int(argv[2]), int(argv[3]))
+    elif kind == "writes":
+        writes(socket_path, int(argv[2]))
     else:
         raise SystemExit(f"unknown kind {kind!r}")
     return 0

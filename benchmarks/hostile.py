@@ -206,7 +206,8 @@ BOUNDS_PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bounds_p
 def bounds_attacks(connections: list[int]) -> list[tuple[str, list[list[str]]]]:
     """(name, bounds_peer.py kinds) of the attacks on the bounds, each run on a fresh daemon."""
     attacks = [("decode bomb (3 MB pings of 1.5M arrays)", [["bomb"]]),
-               ("hello flood (100 a connection)", [["hellos"]])]
+               ("hello flood (100 a connection)", [["hellos"]]),
+               ("16,384-key reserves, 2 sessions", [["writes", "2"]])]
     for n in connections:
         for size in (16 << 20, protocol.MAX_FRAME_BYTES):
             attacks.append((f"{n} conns x {format_size(size)} frames", [["frames", str(n), str(size)]]))
@@ -265,12 +266,13 @@ def decode_table(reps: int) -> None:
     print()
 
 
-def bounds_main(seconds: float, connections: list[int], uid: int | None = None) -> None:
+def bounds_main(seconds: float, connections: list[int], uid: int | None = None, only: str = "") -> None:
     who = "attackers as the probe's uid" if uid is None else f"attackers as uid {uid}"
     print(f"{'attack (' + who + ')':<34} {'ping p50 idle':>13} {'attack':>7} {'p99 idle':>8} "
           f"{'attack':>7} {'pings':>6} {'RSS idle':>10} {'peak':>10} {'SIGTERM':>7}")
     for name, kinds in bounds_attacks(connections):
-        run_bounds_attack(name, kinds, seconds, uid)
+        if only in name:
+            run_bounds_attack(name, kinds, seconds, uid)
 
 
 def main() -> int:
@@ -284,6 +286,8 @@ def main() -> int:
     p.add_argument("--tenants-only", action="store_true", help="only the tenant attacks (4-8)")
     p.add_argument("--attacker-uid", type=int, default=None,
                    help="run the bounds attackers as this uid (needs root): another tenant")
+    p.add_argument("--only", default="", help="with --bounds: only the attacks whose name holds this "
+                   "(e.g. 16,384-key); no decode table")
     p.add_argument("--decode", action="store_true", help="only the decode cost of the largest frames")
     p.add_argument("--reps", type=int, default=30, help="turns of each frame in the decode table")
     args = p.parse_args()
@@ -292,8 +296,10 @@ def main() -> int:
         return 0
     if args.bounds or args.tenants_only:
         if args.bounds:
-            decode_table(args.reps)
-            bounds_main(args.seconds, [int(n) for n in args.connections.split(",")], args.attacker_uid)
+            if not args.only:
+                decode_table(args.reps)
+            bounds_main(args.seconds, [int(n) for n in args.connections.split(",")], args.attacker_uid,
+                        args.only)
         if args.tenants_only:
             run_tenant_attacks(args.seconds)
         return 0
