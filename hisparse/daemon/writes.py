@@ -56,25 +56,34 @@ def _sliced(ctx: DaemonContext, session: Session, steps: Steps) -> dict[str, Any
     return run(steps, session_alive(ctx, session))
 
 
+def _taking(session: Session, req: KeysRequest) -> Namespace:
+    """The namespace of a request that takes pages: the fence held, its call not given up."""
+    ns = ns_of(session)
+    _require_fence(session, req.op.value)
+    _refuse_given_back(session, req)
+    return ns
+
+
 # -- reserve --
 
 def handle_reserve(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any] | Sliced:
-    ns = ns_of(session)
-    _require_fence(session, "reserve")
-    _refuse_given_back(session, req)
-    return _sliced(ctx, session, _reserve(ctx, session, req, ns))
+    return _sliced(ctx, session, _reserve(ctx, session, req, _taking(session, req)))
 
 
 def _reserve(ctx: DaemonContext, session: Session, req: KeysRequest, ns: Namespace) -> Steps:
-    room, limit = reserve_room(ctx, session)  # the quotas of this uid: its other requests wait behind this
+    room, limit = reserve_room(ctx, session)  # none at all: refused, nothing taken
     slots: list[int] = []
     evicted: list[bytes] = []
     new = 0
     for start, stop in spans(len(req.keys)):
         if start:
             yield
+            try:  # again: other connections of this uid may have taken some since
+                room, limit = reserve_room(ctx, session)
+            except WireError:
+                room = 0  # the quota's end: the reply's shortfall says so
         keys = req.keys[start:stop]
-        got, gone = ns.index.reserve(keys, session.reservations, room - new)
+        got, gone = ns.index.reserve(keys, session.reservations, room)
         pages = [s for s in got if s >= 0]
         # The hold is on record before the reply grants it: a successor daemon fences it.
         session.fence.add_reserved(pages)  # type: ignore[union-attr]
@@ -83,13 +92,14 @@ def _reserve(ctx: DaemonContext, session: Session, req: KeysRequest, ns: Namespa
         evicted += gone
         new += len(pages)
         if len(got) < stop - start:
+            room -= len(pages)  # what the quota still allowed when this slice stopped
             break  # no room, or the quota's end
     if evicted:
         ctx.evictions_since_log[ns.name] = ctx.evictions_since_log.get(ns.name, 0) + len(evicted)
     if ctx.cluster is not None:
         ctx.cluster.reserved(ns)
     return {"slots": slots, "evicted": evicted,
-            "shortfall": shortfall(ctx, session, len(req.keys), len(slots), new, room, limit)}
+            "shortfall": shortfall(ctx, session, len(req.keys), len(slots), new, new + room, limit)}
 
 
 # -- commit, abort: settle reservations --
@@ -177,10 +187,7 @@ def _abort(session: Session, req: KeysRequest, ns: Namespace) -> Steps:
 # -- pin, unpin --
 
 def handle_pin(ctx: DaemonContext, session: Session, req: KeysRequest) -> dict[str, Any] | Sliced:
-    ns = ns_of(session)
-    _require_fence(session, "pin")
-    _refuse_given_back(session, req)
-    return _sliced(ctx, session, _pin(ctx, session, req, ns))
+    return _sliced(ctx, session, _pin(ctx, session, req, _taking(session, req)))
 
 
 def _pin(ctx: DaemonContext, session: Session, req: KeysRequest, ns: Namespace) -> Steps:
@@ -204,6 +211,11 @@ def _pin(ctx: DaemonContext, session: Session, req: KeysRequest, ns: Namespace) 
             if page != was:
                 break
             same += 1
+        if start:
+            try:  # again: other connections of this uid may have pinned since
+                check_pin_quota(ctx, session, now[:same])
+            except WireError:
+                break  # the prefix pinned ends here, within the quota
         _pin_held(ctx, session, ns, req.keys[start:start + same], now[:same], req.tag)
         pages += now[:same]
         if same < stop - start:
@@ -313,6 +325,12 @@ def _publish(ctx: DaemonContext, session: Session, req: PublishRequest, ns: Name
     for start, stop in spans(len(req.keys)):
         if start:
             yield
+            if req.pin:
+                try:  # again: other connections of this uid may have pinned since
+                    check_pin_quota(ctx, session, held[start:stop], reserved_now=True)
+                except WireError:
+                    pages += [-1] * (len(req.keys) - start)  # not published; still reserved
+                    break
         keys = index.keys  # re-read each slice: a namespace's clear rebuilds it
         done: list[tuple[bytes, int]] = []
         settled: list[bytes] = []

@@ -10,9 +10,8 @@ VERSION = 2  # 2: fences, unpin by page, sessions bound to their connection
 
 # A larger frame is never read: the daemon's ZeroMQ socket drops the connection
 # at its header (ZMQ_MAXMSGSIZE). The largest legal request, a publish of
-# 2 x 16,384 keys of 64 B, is 2.16 MB: the limit leaves it 9% (what libzmq may
-# hold for a connection before the daemon reads a frame is 3 of these).
-MAX_FRAME_BYTES = 9 << 18  # 2.25 MiB
+# 2 x 16,384 keys of 64 B, is 2.2 MB.
+MAX_FRAME_BYTES = 4 << 20
 MAX_KEYS_PER_REQUEST = 16_384  # 1M tokens at block size 64; clients split longer chains. Small enough
 # that one request costs the loop a few ms (what a flooding peer may delay others by)
 MIN_KEY_BYTES = 1

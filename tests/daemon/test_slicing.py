@@ -4,6 +4,7 @@ as safe as a whole one (refusals change nothing, an ended session stops it, no p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fcntl
 import os
 import time
@@ -159,3 +160,19 @@ def test_a_pin_stops_where_a_page_was_evicted_between_its_slices(context):
     assert body["count"] == len(body["pages"]) == cut
     assert ns.index.num_pinned_pages == cut == len(ctx.sessions.sessions[session].pins)
     assert [ns.index.keys[key] for key in wanted[:cut]] == body["pages"]
+
+
+def test_quotas_are_checked_again_at_each_slice(context):
+    """Another connection of the same uid may reserve between two slices: the uid's share holds."""
+    ctx, hello = context(LAYOUT, 4 * N)
+    ctx.config = dataclasses.replace(ctx.config, peer_reserve_share=0.5)
+    ns = ctx.registry.namespaces["ns"]
+    limit = ns.geometry.num_pages // 2
+    first = hello["session"]
+    other = context.hello(ctx)["session"]
+    sliced = begin(ctx, Op.RESERVE, session=first, keys=keys_for("first", N))
+    taken = len(call(ctx, Op.RESERVE, session=other, keys=keys_for("other", limit - SLICE_KEYS - 10))["slots"])
+    body = sliced.finish()
+    assert SLICE_KEYS <= len(body["slots"]) < N
+    assert body["shortfall"]["by"] == "quota"
+    assert ns.index.num_writing == len(body["slots"]) + taken <= limit
