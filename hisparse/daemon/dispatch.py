@@ -113,17 +113,14 @@ def resume(ctx: DaemonContext, rid: int | None, sliced: Sliced, to_end: bool = F
         body = sliced.finish() if to_end else sliced.step()
         if body is None:
             return None
-        ctx.requests_in_slices -= 1
         reply = protocol.encode_ok(rid, body)
-        ctx.opstats.observe(sliced.op, time.perf_counter_ns() - sliced.started_ns)
-        return reply
     except WireError as exc:
-        ctx.requests_in_slices -= 1
-        ctx.opstats.observe(sliced.op, time.perf_counter_ns() - sliced.started_ns)
-        return _refusal(ctx, rid, exc)
+        reply = _refusal(ctx, rid, exc)
     except Exception as exc:
-        ctx.requests_in_slices -= 1
-        return _internal(ctx, rid, exc)
+        reply = _internal(ctx, rid, exc)
+    ctx.requests_in_slices -= 1  # answered
+    ctx.opstats.observe(sliced.op, time.perf_counter_ns() - sliced.started_ns)
+    return reply
 
 
 def _whole(body):
