@@ -16,6 +16,7 @@ import asyncio
 import errno
 import logging
 from collections import deque
+from collections.abc import Callable
 
 import zmq
 
@@ -103,8 +104,10 @@ class Outbox:
                 del self.backlogs[peer]
                 del self.backlog_bytes[peer]
 
-    async def run(self) -> None:
-        """Flush backlogs while there are any (a task of the server's loop)."""
+    async def run(self, after_flush: Callable[[], None]) -> None:
+        """Flush backlogs while there are any (a task of the server's loop); ``after_flush``
+        then runs: a send may take ZeroMQ's edge-triggered readable signal, so the server
+        asks the socket itself whether a request waits."""
         self._wake = asyncio.Event()
         while True:
             if not self.backlogs:
@@ -112,3 +115,4 @@ class Outbox:
                 await self._wake.wait()
             await asyncio.sleep(FLUSH_INTERVAL_S)
             self.flush()
+            after_flush()

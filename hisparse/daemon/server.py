@@ -110,7 +110,7 @@ class Server:
         if self.ctx.fence_sweep is not None:  # while it runs, ops that take pages wait for it
             self.ctx.fence_sweep.done = loop.create_future()
         timers = [asyncio.create_task(self._reaper()), asyncio.create_task(self._eviction_log()),
-                  asyncio.create_task(self._loop_lag()), asyncio.create_task(self.outbox.run())]
+                  asyncio.create_task(self._loop_lag()), asyncio.create_task(self.outbox.run(self._rearm))]
         if self.ctx.fence_sweep is not None:
             timers.append(asyncio.create_task(self.ctx.fence_sweep.run()))
         try:
@@ -242,8 +242,14 @@ class Server:
 
     def _send(self, frames: list[bytes]) -> None:
         self.outbox.send(frames)
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """After a send outside the reader (a deferred reply, the outbox's flush): the send may
+        have taken ZeroMQ's edge-triggered readable signal, so ask the socket whether a request
+        waits, or the loop would wait for some other event to read it."""
         if not self._reading and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            asyncio.get_running_loop().call_soon(self._on_readable)  # a deferred reply's send took the edge
+            asyncio.get_running_loop().call_soon(self._on_readable)
 
     def _drain(self) -> None:
         """Answer what is already queued before closing (SIGTERM drains)."""

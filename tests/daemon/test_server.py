@@ -155,3 +155,39 @@ def test_servers_closing_one_after_another_leave_the_context_working(tmp_path):
             server.stop("next")
             thread.join(10)
             server.close()
+
+
+def test_a_slow_reader_pipelining_is_answered_while_replies_wait_in_the_outbox(inproc):
+    """Replies that wait for a slow reader are sent by the outbox's flush; a send can take
+    ZeroMQ's edge-triggered readable signal, so a request that arrived meanwhile must still
+    be read (it once waited for some other event to wake the loop)."""
+    _, server, client, _ = inproc
+    c = client()
+    c.hello("slow", KVLayout(1, 1, 64), capacity_bytes=64 * 2000)
+    keys = keys_for("slow", 1000)
+    c.call(Op.RESERVE, keys=keys)
+    c.call(Op.COMMIT, keys=keys)
+    slow = zmq.Context.instance().socket(zmq.DEALER)
+    slow.setsockopt(zmq.LINGER, 0)
+    slow.setsockopt(zmq.RCVHWM, 1)
+    slow.setsockopt(zmq.RCVBUF, 4096)
+    slow.connect(server.endpoint)
+    try:
+        slow.send(protocol.encode_request(Op.HELLO, 0, namespace="slow", layout=KVLayout(1, 1, 64),
+                                          client="slow"))
+        assert slow.poll(10_000)
+        session = protocol.decode_reply(slow.recv()).result()["session"]
+        total, depth, sent, answered = 6000, 150, 0, 0
+        while answered < total:
+            while sent < total and sent - answered < depth:
+                # ~18 KB replies: more than the socket buffers hold, so replies wait in the outbox
+                op = Op.KEYS if sent % 2 else Op.PING
+                fields = {"session": session, "cursor": 0, "limit": 500} if op is Op.KEYS else {}
+                slow.send(protocol.encode_request(op, 1 + sent, **fields))
+                sent += 1
+            assert slow.poll(10_000), f"{answered} of {sent} answered, then none: the loop stalled"
+            assert protocol.decode_reply(slow.recv()).ok
+            answered += 1
+        assert server.outbox.dropped_replies == 0 and not server.outbox.backlogs
+    finally:
+        slow.close(linger=0)
