@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from hisparse.cluster import format as fmt
-from hisparse.daemon import cluster_drop, cluster_io, cluster_promote
+from hisparse.daemon import background, cluster_drop, cluster_io, cluster_promote
 from hisparse.daemon.cluster_health import Health
 from hisparse.daemon.cluster_io import ClusterDown, Space
 from hisparse.daemon.config import ClusterConfig
@@ -111,7 +111,8 @@ class ClusterTier:
     def getter(self) -> ThreadPoolExecutor:
         """A second thread for TCP gets, so one half's get overlaps the other half's checks."""
         if self._getter is None:
-            self._getter = ThreadPoolExecutor(1, thread_name_prefix="hisparse-cluster-get")
+            self._getter = ThreadPoolExecutor(1, thread_name_prefix="hisparse-cluster-get",
+                                              initializer=background.lower_priority)
         return self._getter
 
     # -- the loop side: called from handlers --
@@ -318,6 +319,7 @@ class ClusterTier:
     # -- the worker thread --
 
     def _run(self) -> None:
+        background.lower_priority()
         io = cluster_io.Worker(self)
         while True:
             with self._cond:
@@ -390,3 +392,4 @@ def _resolve(fut: Future | None, value: Any) -> None:
     if fut is not None:
         with contextlib.suppress(InvalidStateError):  # already timed out
             fut.set_result(value)
+

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hisparse.daemon import trust
+from hisparse.daemon import background, trust
 from hisparse.daemon.access import give_to_group
 from hisparse.daemon.config import Config
 from hisparse.daemon.index import NamespaceIndex
@@ -169,7 +169,8 @@ class Registry:
         key = None if creator is None else creator.key
         self.creating[name] = _Creation(name, layout, geometry, cost, future, who, key)
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hisparse-alloc")
+            self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hisparse-alloc",
+                                                                   initializer=background.lower_priority)
         work = loop.run_in_executor(self._executor, self._build, name, geometry)
 
         def done(work: asyncio.Future) -> None:

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 
 import zmq
+import zmq.backend
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,9 @@ _MORE, _LAST = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
 class Outbox:
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
+        # The Cython socket's own send: pyzmq's Python-level override checks arguments no
+        # reply uses, and costs more than the send itself.
+        self._send = zmq.backend.Socket.send.__get__(sock)
         self.backlogs: dict[bytes, deque[list[bytes]]] = {}
         self.backlog_bytes: dict[bytes, int] = {}
         self.dropped_replies = 0
@@ -50,7 +54,7 @@ class Outbox:
 
     def _try(self, frames: list[bytes]) -> bool:
         """True when sent or dropped for good; False when the peer's queue is full."""
-        send = self.sock.send
+        send = self._send
         try:
             # Frame by frame with the flags as plain ints (send_multipart combines zmq's enum
             # flags in Python on every frame). ROUTER_MANDATORY refuses at the identity frame:

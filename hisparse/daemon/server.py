@@ -43,6 +43,8 @@ SNDHWM_MESSAGES = 64
 # holds at most RCVHWM + 1 frames of this size in the daemon (queued, and one being read).
 MAX_WIRE_MESSAGE_BYTES = protocol.MAX_FRAME_BYTES
 CONNECTION_REQUEST_BYTES = (RCVHWM_MESSAGES + 1) * MAX_WIRE_MESSAGE_BYTES  # what libzmq may hold for one
+# Plain ints: pyzmq's enum flags cost microseconds of Python per operation on the hot path.
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class Server:
@@ -140,19 +142,26 @@ class Server:
 
     def _on_readable(self) -> None:
         sock, guard, fair = self.sock, self.guard, self.fair
+        waiting = sock.getsockopt  # waiting(_EVENTS) & _POLLIN: a message waits (no Again raised)
         self._reading = True
         try:
             deadline = time.monotonic() + MAX_BATCH_S
-            reads, more = 0, True
+            reads = 0
+            # Whether the socket said it holds nothing, with no send since: each check costs
+            # microseconds (a request's worth of them are spent on four otherwise).
+            idle = False
             while True:  # read what waits (cheap), then serve one request of each uid in turn
-                while more and fair.room():
+                while fair.room():
+                    if reads and not waiting(_EVENTS) & _POLLIN:  # woken: the first read tries
+                        idle = True
+                        break
                     reads += 1
                     if reads % 16 == 0 and guard.on_events():  # not kept waiting by a busy batch;
                         asyncio.get_running_loop().call_soon(self._on_connection_events)  # edge went
                     try:
                         identity, envelope, body, refusal = guard.recv(sock)
                     except zmq.Again:
-                        more = False
+                        idle = True
                         break
                     size = len(body[-1]) if body else 0
                     if refusal is None and size > LARGE_FRAME_BYTES:
@@ -164,12 +173,12 @@ class Server:
                     break
                 for fn, *args in fair.round():
                     fn(*args)
+                idle, reads = False, max(reads, 1)  # a send may have taken the edge
                 if time.monotonic() > deadline:
-                    break
-                more = True  # a backlog: what arrived meanwhile joins the next round
+                    break  # a backlog, or what arrived meanwhile: served in the next batch
             # ZeroMQ's fd is edge-triggered and a send can swallow the edge:
-            # ask the socket itself whether more is queued.
-            if fair.count or sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            # ask the socket itself whether more is queued (unless it just said).
+            if fair.count or not idle and waiting(_EVENTS) & _POLLIN:
                 asyncio.get_running_loop().call_soon(self._on_readable)
         except Exception:
             log.error("error in the receive loop; serving on", exc_info=True)
@@ -248,7 +257,7 @@ class Server:
         """After a send outside the reader (a deferred reply, the outbox's flush): the send may
         have taken ZeroMQ's edge-triggered readable signal, so ask the socket whether a request
         waits, or the loop would wait for some other event to read it."""
-        if not self._reading and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not self._reading and self.sock.getsockopt(_EVENTS) & _POLLIN:
             asyncio.get_running_loop().call_soon(self._on_readable)
 
     def _drain(self) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from hisparse import KVLayout, client
+from hisparse.daemon import background
 from tests.cluster.conftest import requires_mooncake, wait_for
 from tests.rawclient import keys_for
 
@@ -38,6 +41,10 @@ def test_b_finds_a_pages_remote_prefetches_and_loads_them_byte_exact(nodes):
         assert cb.lookup_remote(keys) == (0, 24)
         got = cb.prefetch(keys)
         assert got["promoted"] == 24 and got["refused"] == 0 and got["missing"] == 0
+        # B's cluster worker ran below its loop thread (the process's first)
+        nices = thread_nices(b.pid)
+        background_nice = min(background.MAX_NICE, nices[b.pid] + background.BACKGROUND_NICE)
+        assert background_nice in nices.values(), nices
         # B's own later hits are local
         assert cb.lookup(keys) == 24
         assert cb.lookup_remote(keys) == (24, 0)
@@ -186,3 +193,12 @@ def test_pages_published_by_the_hisparse_pool_go_behind_like_commits(nodes):
         assert cb.prefetch(hashes)["promoted"] == 6
         out = np.zeros_like(data)
         assert cb.load(hashes, out) == 6 and np.array_equal(out, data)
+
+
+def thread_nices(pid: int) -> dict[int, int]:
+    """Each thread of ``pid``: its nice value (``/proc``'s ``stat`` field 19)."""
+    nices = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            nices[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+    return nices
