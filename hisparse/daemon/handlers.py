@@ -27,6 +27,7 @@ from hisparse.daemon.writes import (
     handle_abort, handle_commit, handle_pin, handle_publish, handle_reserve, handle_unpin,
 )
 from hisparse.protocol import (
+    MAX_REPLY_ENTRIES,
     VERSION,
     ErrorCode,
     EventsRequest,
@@ -38,10 +39,6 @@ from hisparse.protocol import (
 )
 
 log = logging.getLogger(__name__)
-
-# Entries of an `events` or `keys` reply, at most (fewer than asked is allowed):
-# with 64-byte keys a reply stays under ~1.3 MB however large the limit asked.
-MAX_REPLY_ENTRIES = 16_384
 
 
 # -- session-less ops --
@@ -97,7 +94,7 @@ def handle_bye(ctx: DaemonContext, session: Session, req: Request) -> dict[str, 
 
 def handle_events(ctx: DaemonContext, session: Session, req: EventsRequest) -> dict[str, Any]:
     events, seq, reset = ns_of(session).index.events.since(req.after, min(req.limit, MAX_REPLY_ENTRIES))
-    return {"seq": seq, "events": [list(e) for e in events], "reset": reset}
+    return {"seq": seq, "events": events, "reset": reset}  # (kind, key, page) tuples: msgpack arrays
 
 
 def handle_keys(ctx: DaemonContext, session: Session, req: KeysPageRequest) -> dict[str, Any]:
@@ -105,7 +102,7 @@ def handle_keys(ctx: DaemonContext, session: Session, req: KeysPageRequest) -> d
     seq = index.events.last_seq
     index.events.enabled = True
     keys, cursor = index.committed_page(req.cursor, min(req.limit, MAX_REPLY_ENTRIES))
-    return {"keys": [list(k) for k in keys], "next_cursor": cursor, "seq": seq}
+    return {"keys": keys, "next_cursor": cursor, "seq": seq}  # (key, page) tuples: msgpack arrays
 
 
 HANDLERS: dict[Op, Handler] = {

@@ -27,8 +27,8 @@ in hisparse calls msgpack.
 
 from hisparse.protocol.codes import (
     ADMIN_OPS, EVENT_COMMIT, EVENT_EVICT, MAX_EVENTS_PER_REPLY, MAX_FRAME_BYTES, MAX_KEY_BYTES,
-    MAX_KEYS_PER_REQUEST, MAX_NAMESPACE_CHARS, MIN_KEY_BYTES, REPLY_FIELDS, SESSIONLESS_OPS,
-    SLOT_BUSY, SLOT_COMMITTED, VERSION, ErrorCode, Op, WireError, error_for_code,
+    MAX_KEYS_PER_REQUEST, MAX_NAMESPACE_CHARS, MAX_REPLY_ENTRIES, MIN_KEY_BYTES, REPLY_FIELDS,
+    SESSIONLESS_OPS, SLOT_BUSY, SLOT_COMMITTED, VERSION, ErrorCode, Op, WireError, error_for_code,
 )
 from hisparse.protocol.frames import (
     Reply, decode_reply, encode_error, encode_ok, encode_request, request_id, unpack_map,
@@ -41,8 +41,8 @@ from hisparse.protocol.requests import (
 
 __all__ = [
     "ADMIN_OPS", "EVENT_COMMIT", "EVENT_EVICT", "MAX_EVENTS_PER_REPLY", "MAX_FRAME_BYTES",
-    "MAX_KEY_BYTES", "MAX_KEYS_PER_REQUEST", "MAX_NAMESPACE_CHARS", "MAX_PAGE_ID", "MAX_WIRE_INT",
-    "MIN_KEY_BYTES", "REPLY_FIELDS", "SESSIONLESS_OPS", "SLOT_BUSY", "SLOT_COMMITTED", "VERSION",
+    "MAX_KEY_BYTES", "MAX_KEYS_PER_REQUEST", "MAX_NAMESPACE_CHARS", "MAX_PAGE_ID", "MAX_REPLY_ENTRIES",
+    "MAX_WIRE_INT", "MIN_KEY_BYTES", "REPLY_FIELDS", "SESSIONLESS_OPS", "SLOT_BUSY", "SLOT_COMMITTED", "VERSION",
     "AdminRequest", "ErrorCode", "EventsRequest", "HelloRequest", "KeysPageRequest", "KeysRequest",
     "Op", "PagesRequest", "PingRequest", "PublishRequest", "Reply", "Request", "SessionRequest",
     "WireError", "decode_reply", "decode_request", "encode_error", "encode_ok", "encode_request",

@@ -17,7 +17,11 @@ MAX_KEYS_PER_REQUEST = 16_384  # 1M tokens at block size 64; clients split longe
 MIN_KEY_BYTES = 1
 MAX_KEY_BYTES = 64  # vLLM's OffloadKey is 36 bytes (32-byte hash + 4-byte group)
 MAX_NAMESPACE_CHARS = 256
-MAX_EVENTS_PER_REPLY = 65_536
+MAX_EVENTS_PER_REPLY = 65_536  # the largest `limit` an events or keys request may ask
+# ... and the most entries a reply carries whatever the limit (fewer than asked is allowed):
+# with 64-byte keys a reply stays under ~330 KB, and building one holds the loop about 1 ms.
+# A page of events shorter than this means caught up.
+MAX_REPLY_ENTRIES = 4096
 
 
 class Op(str, enum.Enum):

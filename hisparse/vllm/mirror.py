@@ -27,11 +27,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from hisparse.protocol import EVENT_COMMIT, EVENT_EVICT
+from hisparse.protocol import EVENT_COMMIT, EVENT_EVICT, MAX_REPLY_ENTRIES
 
 log = logging.getLogger(__name__)
 
-PAGE_LIMIT = 16_384  # keys or events per reply: ~1 MB frames, far below MAX_FRAME_BYTES
+PAGE_LIMIT = MAX_REPLY_ENTRIES  # keys or events per reply: a shorter page of events is caught up
 
 
 class KeySource(Protocol):

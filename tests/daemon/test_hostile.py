@@ -141,9 +141,9 @@ def test_keys_and_events_replies_are_bounded(daemon_factory):
             c.call(Op.RESERVE, keys=chunk)
             c.call(Op.COMMIT, keys=chunk)
         events = c.call(Op.EVENTS, after=0, limit=protocol.MAX_EVENTS_PER_REPLY)
-        assert 0 < len(events["events"]) <= 16_384 and not events["reset"]
+        assert 0 < len(events["events"]) == protocol.MAX_REPLY_ENTRIES and not events["reset"]
         first = c.call(Op.KEYS, cursor=0, limit=protocol.MAX_EVENTS_PER_REPLY)
-        assert 0 < len(first["keys"]) <= 16_384 and first["next_cursor"] != -1
+        assert 0 < len(first["keys"]) == protocol.MAX_REPLY_ENTRIES and first["next_cursor"] != -1
         seen = {bytes(k) for k, _ in first["keys"]}
         cursor = first["next_cursor"]
         while cursor != -1:
