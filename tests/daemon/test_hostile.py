@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 
-import pytest
 import zmq
 
 from hisparse import KVLayout, protocol
