@@ -22,6 +22,7 @@ from hisparse.daemon.slicing import SLICE_KEYS, Sliced
 from hisparse.daemon.writes import CHECK_SLICE
 from hisparse.protocol import ErrorCode, Op
 from hisparse.shm.fence import fence_dir_for
+from hisparse.shm.table import WRITING
 from tests.daemon import test_server
 from tests.rawclient import keys_for
 
@@ -51,6 +52,35 @@ def test_another_connections_requests_are_served_between_a_large_writes_slices(i
     assert seen == 1, "no request was served while a 16,384-key reserve was in slices"
     daemon = watcher.call(Op.STATS)["daemon"]
     assert daemon["requests_in_slices"] == 0 and daemon["request_slices"] >= 31
+
+
+def test_a_request_in_slices_when_the_daemon_stops_is_finished_and_answered(inproc):
+    """SIGTERM drains: a write begun in slices is served to its end and answered in full, not
+    left half done or refused. The loop is stopped first, so the request is surely still in
+    slices when the drain (what the server runs after its loop) finds it."""
+    ctx, server, client, result = inproc
+    c = client()
+    c.hello("big", LAYOUT, capacity_bytes=64 * 2 * N)
+    (identity,) = server.guard.limits.peers  # c's connection, as the ROUTER names it
+    server.stop("the test's SIGTERM")
+    deadline = time.monotonic() + 30
+    while "reason" not in result:
+        assert time.monotonic() < deadline, "the loop did not stop"
+        time.sleep(0.01)
+    keys = keys_for("drain", N)
+    frame = protocol.encode_request(Op.RESERVE, 99, session=c.session, keys=keys)
+    rid, sliced = dispatch(ctx, frame, identity, sliced=True)
+    assert isinstance(sliced, Sliced) and ctx.requests_in_slices == 1
+    server._next_slice(identity, [], rid, sliced)  # as a first slice leaves it, between turns
+    server._drain()
+    assert c.sock.poll(10_000), "the request in slices was not answered"
+    reply = protocol.decode_reply(c.sock.recv())
+    assert reply.id == 99
+    slots = reply.result()["slots"]
+    assert len(slots) == N and min(slots) >= 0
+    assert ctx.requests_in_slices == 0
+    index = ctx.registry.namespaces["big"].index
+    assert all(index.state[page] == WRITING for page in slots)  # every slice's pages reserved
 
 
 def test_a_sliced_reserve_commit_publish_pin_and_unpin_answer_as_a_whole_one_would(inproc):
