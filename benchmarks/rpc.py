@@ -19,6 +19,10 @@ same shape as the daemon's (it reads the id to do so): the client's own
 cost is then in both columns, and its absolute latency is what a caller of
 ``Client`` sees.
 
+Each server's CPU per request is read from ``/proc`` around its turns: its
+main thread (the daemon's event loop; the echo's loop) and its other
+threads (libzmq's I/O thread, the daemon's workers).
+
     python benchmarks/rpc.py [--requests N] [--inflight 1,8,64] [--client raw|transport]
     # targets: p50 ratio <= 1.3, saturation ratio >= 0.8
 """
@@ -103,6 +107,24 @@ class Callers:
         self.start.wait()
 
 
+def cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) of ``pid``'s main thread, and of its other threads."""
+    tick = os.sysconf("SC_CLK_TCK")
+    main = others = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # a thread that just ended
+            continue
+        spent = (int(fields[11]) + int(fields[12])) / tick
+        if int(tid) == pid:
+            main += spent
+        else:
+            others += spent
+    return main, others
+
+
 def round_trips(sock: zmq.Socket, frame: bytes, n: int) -> list[float]:
     samples = []
     for _ in range(n):
@@ -163,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         layout = KVLayout(78, 64, 656)
         hello = call(ours_sock, Op.HELLO, namespace="bench/rpc", layout=layout,
                      capacity_bytes=256 << 20, client="benchmarks/rpc")
+        pids = (call(ours_sock, Op.PING)["pid"], echo_proc.pid)
         session = hello["session"]
         fence = Fence(os.path.join(fence_dir_for(path), hello["fence"]))  # reserve needs it locked
         assert len(call(ours_sock, Op.RESERVE, session=session, keys=keys)["slots"]) == KEYS
@@ -193,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             ours: list[float] = []
             bare: list[float] = []
             busy = [0.0, 0.0]
+            cpu = [[0.0, 0.0], [0.0, 0.0]]  # per server: main thread, other threads
             turn = max(args.batch, 4 * depth)
             if args.client == "raw":
                 drivers = [lambda n, s=s: pipelined(s, frame, n, depth) for s in (ours_sock, echo_sock)]
@@ -201,13 +225,17 @@ def main(argv: list[str] | None = None) -> int:
                 drivers = [c.turn for c in callers]
             while len(ours) < args.requests:
                 for i, out in enumerate((ours, bare)):
+                    before = cpu_s(pids[i])
                     got, spent = drivers[i](turn)
+                    after = cpu_s(pids[i])
                     out += got
                     busy[i] += spent
+                    cpu[i] = [cpu[i][k] + after[k] - before[k] for k in (0, 1)]
             if args.client == "transport":
                 for c in callers:
                     c.stop()
-            runs[depth] = (ours, bare, len(ours) / busy[0], len(bare) / busy[1])
+            runs[depth] = (ours, bare, len(ours) / busy[0], len(bare) / busy[1],
+                           [[c / n for c in pair] for pair, n in zip(cpu, (len(ours), len(bare)))])
         if args.client == "raw":
             ours_sock.close(linger=0)
         else:
@@ -221,15 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"64-key lookup, {len(frame)} B frame, {args.requests} requests each per depth in "
           f"alternating turns, one connection, ipc:// socket, {args.client} client; "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'in flight':>9} {'':18}{'p50 us':>9}{'p99 us':>10}{'req/s':>9}")
-    for depth, (ours, bare, ours_rate, bare_rate) in runs.items():
-        for name, samples, rate in (("hisparsed lookup", ours, ours_rate), ("bare zmq echo", bare, bare_rate)):
+    print(f"{'in flight':>9} {'':18}{'p50 us':>9}{'p99 us':>10}{'req/s':>9}"
+          f"{'CPU us/req: main':>18}{'others':>8}")
+    for depth, (ours, bare, ours_rate, bare_rate, per_req) in runs.items():
+        for name, samples, rate, (main_s, others_s) in (("hisparsed lookup", ours, ours_rate, per_req[0]),
+                                                        ("bare zmq echo", bare, bare_rate, per_req[1])):
             print(f"{depth:9} {name:18}{percentile(samples, 50) * 1e6:9.1f}"
-                  f"{percentile(samples, 99) * 1e6:10.1f}{rate:9.0f}")
+                  f"{percentile(samples, 99) * 1e6:10.1f}{rate:9.0f}{main_s * 1e6:18.1f}{others_s * 1e6:8.1f}")
         p50 = percentile(ours, 50) / percentile(bare, 50)
         p99 = percentile(ours, 99) / percentile(bare, 99)
         print(f"{depth:9} ratio hisparsed/echo: p50 {p50:.2f} (target <= 1.3), p99 {p99:.2f}, "
-              f"saturation {ours_rate / bare_rate:.2f} (target >= 0.8)")
+              f"saturation {ours_rate / bare_rate:.2f} (target >= 0.8), "
+              f"main thread CPU per request {per_req[0][0] / max(per_req[1][0], 1e-9):.1f}x")
     return 0
 
 
