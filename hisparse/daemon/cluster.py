@@ -392,4 +392,3 @@ def _resolve(fut: Future | None, value: Any) -> None:
     if fut is not None:
         with contextlib.suppress(InvalidStateError):  # already timed out
             fut.set_result(value)
-
