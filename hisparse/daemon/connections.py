@@ -36,12 +36,16 @@ from collections import Counter
 from typing import Any
 
 import zmq
+import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
 from hisparse.daemon.door import DoorWatch
 from hisparse.daemon.limits import CAP_KEYS, FDS_PER_CONNECTION, Limits
 
 log = logging.getLogger(__name__)
+
+_recv = zmq.backend.Socket.recv  # pyzmq's Python-level layer costs more than the read
+_NOBLOCK = int(zmq.NOBLOCK)
 
 REFUSAL_GRACE_S = 0.5  # a refused connection may still read why, this long
 MAX_REFUSING = 16  # refusals answered at once; more are shed at once, unanswered
@@ -263,13 +267,13 @@ class ConnectionGuard:
         word on who sent it (``Peer-Address``) and its descriptor. Raises
         ``zmq.Again`` when none waits.
         """
-        recv = sock.recv
-        identity = recv(zmq.NOBLOCK)  # a ROUTER's message is its identity and at least one frame
+        recv = _recv.__get__(sock)  # the Cython socket's own: no Python in between
+        identity = recv(_NOBLOCK)  # a ROUTER's message is its identity and at least one frame
         known = identity in self.limits.peers
         parts: list[bytes] = []
         refusal = None
         while True:
-            frame = recv(zmq.NOBLOCK, copy=False)  # the rest of the message is there already
+            frame = recv(_NOBLOCK, False)  # the rest of the message is there already
             if not known:
                 fd = frame.get(zmq.SRCFD)
                 refusal = self.refusal_for(fd)

@@ -16,6 +16,7 @@ import signal
 import time
 
 import zmq
+import zmq.backend
 
 from hisparse import protocol
 from hisparse.daemon import notify
@@ -43,8 +44,10 @@ SNDHWM_MESSAGES = 64
 # holds at most RCVHWM + 1 frames of this size in the daemon (queued, and one being read).
 MAX_WIRE_MESSAGE_BYTES = protocol.MAX_FRAME_BYTES
 CONNECTION_REQUEST_BYTES = (RCVHWM_MESSAGES + 1) * MAX_WIRE_MESSAGE_BYTES  # what libzmq may hold for one
-# Plain ints: pyzmq's enum flags cost microseconds of Python per operation on the hot path.
+# Plain ints, and the Cython socket's own ``get``: pyzmq's Python-level getsockopt turns the
+# option into an enum first, which costs more than libzmq's answer.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_get = zmq.backend.Socket.get
 
 
 class Server:
@@ -142,7 +145,7 @@ class Server:
 
     def _on_readable(self) -> None:
         sock, guard, fair = self.sock, self.guard, self.fair
-        waiting = sock.getsockopt  # waiting(_EVENTS) & _POLLIN: a message waits (no Again raised)
+        waiting = _get.__get__(sock)  # waiting(_EVENTS) & _POLLIN: a message waits (no Again raised)
         self._reading = True
         try:
             deadline = time.monotonic() + MAX_BATCH_S
@@ -257,7 +260,7 @@ class Server:
         """After a send outside the reader (a deferred reply, the outbox's flush): the send may
         have taken ZeroMQ's edge-triggered readable signal, so ask the socket whether a request
         waits, or the loop would wait for some other event to read it."""
-        if not self._reading and self.sock.getsockopt(_EVENTS) & _POLLIN:
+        if not self._reading and _get(self.sock, _EVENTS) & _POLLIN:
             asyncio.get_running_loop().call_soon(self._on_readable)
 
     def _drain(self) -> None:
