@@ -98,6 +98,19 @@ def test_rejections_have_typed_codes(frame, code):
     assert code_of(frame) == code
 
 
+def test_keys_of_every_allowed_length_decode_and_a_long_one_is_named():
+    """A small frame is decoded with bins held to a key's length; a longer key sends it to the
+    scan and the decoder names it, in a frame of any size."""
+    keys = [b"a", b"x" * protocol.MAX_KEY_BYTES, b"k" * 36]
+    assert protocol.decode_request(pack(v=V, id=1, op="lookup", session=1, keys=keys)).keys == tuple(keys)
+    for pad in (0, 400):  # unscanned, then scanned (over SCAN_ABOVE_BYTES)
+        bad = keys * pad + [b"k" * 36, b"x" * (protocol.MAX_KEY_BYTES + 1)]
+        with pytest.raises(WireError) as exc:
+            protocol.decode_request(pack(v=V, id=1, op="lookup", session=1, keys=bad))
+        assert exc.value.code is ErrorCode.INVALID_ARGUMENT
+        assert f"keys[{len(bad) - 1}] is {protocol.MAX_KEY_BYTES + 1} bytes" in exc.value.message
+
+
 def test_oversized_frame_is_refused_before_decoding():
     frame = b"\x00" * (protocol.MAX_FRAME_BYTES + 1)
     assert code_of(frame) == ErrorCode.FRAME_TOO_LARGE

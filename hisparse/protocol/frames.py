@@ -11,7 +11,7 @@ import msgpack
 from hisparse import errors
 from hisparse.layout import KVLayout
 from hisparse.protocol.codes import (
-    MAX_FRAME_BYTES, MAX_KEYS_PER_REQUEST, VERSION, ErrorCode, Op, WireError, error_for_code,
+    MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_REQUEST, VERSION, ErrorCode, Op, WireError, error_for_code,
 )
 from hisparse.protocol.scan import (
     MAX_BIN_BYTES, MAX_FIELDS, MAX_STR_BYTES, SCAN_ABOVE_BYTES, UNSCANNED_LIST_ITEMS, scan_frame,
@@ -39,22 +39,28 @@ def unpack_map(frame: bytes) -> dict[str, Any]:
     return unpack_request(frame)[0]
 
 
-_NOTHING_PROVEN: frozenset[str] = frozenset()
+# In what ``unpack_request`` proves of a frame: no bin in it is longer than a key may be.
+SHORT_BINS = "*bins*"
+_SHORT_BINS_PROVEN = frozenset({SHORT_BINS})
+# An unscanned frame's bins are held to a key's length (a request's only bins are keys): a
+# longer one sends the frame to the scan, and the decoder then names the key.
+_UNSCANNED_LIMITS = {**_UNPACK_LIMITS, "max_bin_len": MAX_KEY_BYTES}
 
 
 def unpack_request(frame: bytes) -> tuple[dict[str, Any], frozenset[str]]:
-    """``unpack_map``, and the list fields the scan proved valid (``scan.scan_frame``): the
-    decoder need not check their items again. Nothing is proven of an unscanned frame."""
+    """``unpack_map``, and what is proven of it: the list fields the scan proved valid
+    (``scan.scan_frame``), whose items the decoder need not check again; of an unscanned
+    frame, ``SHORT_BINS`` (no bin over ``MAX_KEY_BYTES``)."""
     if not frame:
         raise WireError(ErrorCode.PROTOCOL_ERROR, "empty frame")
     if len(frame) <= SCAN_ABOVE_BYTES:
         try:
             msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
-                                  max_array_len=UNSCANNED_LIST_ITEMS, **_UNPACK_LIMITS)
+                                  max_array_len=UNSCANNED_LIST_ITEMS, **_UNSCANNED_LIMITS)
         except Exception:  # msgpack raises several unrelated types: the scan names the fault
             pass
         else:
-            return _map(msg), _NOTHING_PROVEN
+            return _map(msg), _SHORT_BINS_PROVEN
     rid, proven = scan_frame(frame)
     try:
         msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,

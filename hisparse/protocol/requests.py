@@ -15,7 +15,7 @@ from hisparse.protocol.codes import (
     ADMIN_OPS, MAX_EVENTS_PER_REPLY, MAX_FRAME_BYTES, MAX_KEY_BYTES, MAX_KEYS_PER_REQUEST,
     MAX_NAMESPACE_CHARS, MIN_KEY_BYTES, VERSION, ErrorCode, Op, WireError,
 )
-from hisparse.protocol.frames import KEY_FIELDS, unpack_request
+from hisparse.protocol.frames import KEY_FIELDS, SHORT_BINS, unpack_request
 
 _KEYS = KEY_FIELDS[0]
 
@@ -170,9 +170,13 @@ def _keys(msg: dict[str, Any], name: str = _KEYS, proven: frozenset[str] = froze
     except TypeError:
         pass
     else:
-        lengths = set(map(len, keys))  # usually one length: min and max are then free
-        if not lengths or (MIN_KEY_BYTES <= min(lengths) and max(lengths) <= MAX_KEY_BYTES):
-            return keys
+        if SHORT_BINS in proven:  # msgpack held every bin to MAX_KEY_BYTES: empty ones are left
+            if all(keys) if MIN_KEY_BYTES == 1 else min(map(len, keys), default=1) >= MIN_KEY_BYTES:
+                return keys
+        else:
+            lengths = set(map(len, keys))  # usually one length: min and max are then free
+            if not lengths or (MIN_KEY_BYTES <= min(lengths) and max(lengths) <= MAX_KEY_BYTES):
+                return keys
     for i, key in enumerate(raw):
         if not isinstance(key, bytes):
             raise WireError(ErrorCode.PROTOCOL_ERROR, f"{name}[{i}] must be bytes, not {type(key).__name__}")
