@@ -22,7 +22,8 @@ C-speed slices where it can, without creating a Python object per element:
 A frame that passes is decoded once, by msgpack with the same limits
 (``frames.unpack_map``), in time proportional to its few objects. Frames
 up to ``SCAN_ABOVE_BYTES`` are decoded directly with lists of at most
-``UNSCANNED_LIST_ITEMS`` items, and scanned only when that fails: msgpack
+``UNSCANNED_LIST_ITEMS`` items and bins of at most ``MAX_KEY_BYTES`` (a request's
+only bins are keys), and scanned only when that fails: msgpack
 allocates a list's slots when it reads its header, before any item, so with
 lists of up to 16,384 items ~680 nested headers in 2 KiB cost ~15 ms before
 it fails (2,700 in 8 KiB ~100 ms and tens of MiB); of 256, ~2 ms. The scan returns the request's ``id`` when it saw one, so even
