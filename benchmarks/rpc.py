@@ -19,6 +19,14 @@ same shape as the daemon's (it reads the id to do so): the client's own
 cost is then in both columns, and its absolute latency is what a caller of
 ``Client`` sees.
 
+A third server, the floor, takes its turns too (``--client raw``): a Python
+process on the same uvloop and pyzmq that does only what no lookup server can
+skip: it reads the frame, decodes it with msgpack, looks the 64 keys up in a
+dict and sends a reply of the daemon's shape. No validation, no session,
+no recency, no fairness, no limits. Its ratio against the echo is how close
+any Python server of this protocol gets; the daemon's against the floor is
+what hisparsed's own work costs.
+
 Each server's CPU per request is read from ``/proc`` around its turns: its
 main thread (the daemon's event loop; the echo's loop) and its other
 threads (libzmq's I/O thread, the daemon's workers).
@@ -64,6 +72,50 @@ def echo_server(endpoint: str, ready, answer: bool = False) -> None:
         if answer:
             frames[1] = protocol.encode_ok(msgpack.unpackb(frames[1])["id"], {"count": KEYS})
         sock.send_multipart(frames)
+    sock.close(linger=0)
+
+
+def floor_server(endpoint: str, ready, keys: list[bytes]) -> None:
+    """The least a Python lookup server does: read, decode, look up, reply (see the docstring)."""
+    import asyncio
+
+    import msgpack
+    import uvloop
+    import zmq.backend
+
+    index = {key: page for page, key in enumerate(keys)}
+    sock = zmq.Context().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    recv, send = zmq.backend.Socket.recv.__get__(sock), zmq.backend.Socket.send.__get__(sock)
+    get = zmq.backend.Socket.get.__get__(sock)
+    events, pollin, noblock = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+    more = int(zmq.SNDMORE) | noblock
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def on_readable() -> None:
+            while get(events) & pollin:
+                identity, frame = recv(noblock), recv(noblock)
+                if frame == b"stop":
+                    done.set_result(None)
+                    return
+                msg = msgpack.unpackb(frame)
+                count = 0
+                for key in msg["keys"]:
+                    if key not in index:
+                        break
+                    count += 1
+                send(identity, more)
+                send(msgpack.packb({"v": protocol.VERSION, "id": msg["id"], "ok": {"count": count}}), noblock)
+
+        loop.add_reader(get(int(zmq.FD)), on_readable)
+        loop.call_soon(on_readable)
+        ready.set()
+        await done
+
+    uvloop.run(serve())
     sock.close(linger=0)
 
 
@@ -173,19 +225,24 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context.instance()
     keys = [os.urandom(36) for _ in range(KEYS)]
 
-    endpoint = "ipc://" + os.path.join(tempfile.mkdtemp(), "echo.sock")
     spawn = mp.get_context("spawn")
-    ready = spawn.Event()
-    echo_proc = spawn.Process(target=echo_server, args=(endpoint, ready, args.client == "transport"))
-    echo_proc.start()
-    ready.wait(30)
+    helpers = [("bare zmq echo", echo_server, (args.client == "transport",))]
+    if args.client == "raw":
+        helpers.insert(0, ("python floor", floor_server, (keys,)))
+    endpoints, procs = [], []
+    for _, target, extra in helpers:
+        endpoints.append("ipc://" + os.path.join(tempfile.mkdtemp(), "server.sock"))
+        ready = spawn.Event()
+        procs.append(spawn.Process(target=target, args=(endpoints[-1], ready, *extra)))
+        procs[-1].start()
+        ready.wait(30)
     with running_daemon("512MiB") as path:
         ours_sock = ctx.socket(zmq.DEALER)
         ours_sock.connect("ipc://" + path)
         layout = KVLayout(78, 64, 656)
         hello = call(ours_sock, Op.HELLO, namespace="bench/rpc", layout=layout,
                      capacity_bytes=256 << 20, client="benchmarks/rpc")
-        pids = (call(ours_sock, Op.PING)["pid"], echo_proc.pid)
+        pids = [call(ours_sock, Op.PING)["pid"], *(p.pid for p in procs)]
         session = hello["session"]
         fence = Fence(os.path.join(fence_dir_for(path), hello["fence"]))  # reserve needs it locked
         assert len(call(ours_sock, Op.RESERVE, session=session, keys=keys)["slots"]) == KEYS
@@ -193,15 +250,17 @@ def main(argv: list[str] | None = None) -> int:
         frame = protocol.encode_request(Op.LOOKUP, 7, session=session, keys=keys)
         ours_sock.send(frame)
         assert protocol.decode_reply(ours_sock.recv()).result() == {"count": KEYS}
-        echo_sock = ctx.socket(zmq.DEALER)
-        echo_sock.connect(endpoint)
+        socks = [ours_sock]
+        for endpoint in endpoints:
+            socks.append(ctx.socket(zmq.DEALER))
+            socks[-1].connect(endpoint)
         if args.client == "raw":
-            for sock in (ours_sock, echo_sock):
+            for sock in socks:
                 round_trips(sock, frame, 1000)  # warm up
         else:  # the same session, named by a Transport's connection: a fresh hello there
             ours_sock.close(linger=0)
             fence.retire()
-            transports = (Transport(path), Transport(endpoint[len("ipc://"):]))
+            transports = (Transport(path), Transport(endpoints[-1][len("ipc://"):]))
             hello = transports[0].call(Op.HELLO, 10.0, namespace="bench/rpc", layout=layout,
                                        capacity_bytes=256 << 20, client="benchmarks/rpc")
             session = hello["session"]
@@ -210,21 +269,22 @@ def main(argv: list[str] | None = None) -> int:
             for t in transports:
                 for _ in range(1000):
                     t.call(Op.LOOKUP, 10.0, session=session, keys=keys)  # warm up
-        # Short alternating turns: both see the same noise of this shared machine.
+        # Short alternating turns: all see the same noise of this shared machine.
+        names = ["hisparsed lookup", *(name for name, _, _ in helpers)]
+        short = ["hisparsed", *(name.split()[-1] for name, _, _ in helpers)]  # echo, floor
         runs = {}
         for depth in [int(d) for d in args.inflight.split(",")]:
-            ours: list[float] = []
-            bare: list[float] = []
-            busy = [0.0, 0.0]
-            cpu = [[0.0, 0.0], [0.0, 0.0]]  # per server: main thread, other threads
+            samples: list[list[float]] = [[] for _ in names]
+            busy = [0.0 for _ in names]
+            cpu = [[0.0, 0.0] for _ in names]  # per server: main thread, other threads
             turn = max(args.batch, 4 * depth)
             if args.client == "raw":
-                drivers = [lambda n, s=s: pipelined(s, frame, n, depth) for s in (ours_sock, echo_sock)]
+                drivers = [lambda n, s=s: pipelined(s, frame, n, depth) for s in socks]
             else:
                 callers = [Callers(t, session, keys, depth) for t in transports]
                 drivers = [c.turn for c in callers]
-            while len(ours) < args.requests:
-                for i, out in enumerate((ours, bare)):
+            while len(samples[0]) < args.requests:
+                for i, out in enumerate(samples):
                     before = cpu_s(pids[i])
                     got, spent = drivers[i](turn)
                     after = cpu_s(pids[i])
@@ -234,34 +294,44 @@ def main(argv: list[str] | None = None) -> int:
             if args.client == "transport":
                 for c in callers:
                     c.stop()
-            runs[depth] = (ours, bare, len(ours) / busy[0], len(bare) / busy[1],
-                           [[c / n for c in pair] for pair, n in zip(cpu, (len(ours), len(bare)))])
+            runs[depth] = [(out, len(out) / spent, [c / len(out) for c in pair])
+                           for out, spent, pair in zip(samples, busy, cpu)]
         if args.client == "raw":
             ours_sock.close(linger=0)
         else:
             for t in transports:
                 t.close()
         fence.retire()
-    echo_sock.send(b"stop")
-    echo_proc.join(10)
-    echo_sock.close(linger=0)
+    for sock, proc in zip(socks[1:], procs):
+        sock.send(b"stop")
+        proc.join(10)
+        sock.close(linger=0)
 
     print(f"64-key lookup, {len(frame)} B frame, {args.requests} requests each per depth in "
           f"alternating turns, one connection, ipc:// socket, {args.client} client; "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'in flight':>9} {'':18}{'p50 us':>9}{'p99 us':>10}{'req/s':>9}"
           f"{'CPU us/req: main':>18}{'others':>8}")
-    for depth, (ours, bare, ours_rate, bare_rate, per_req) in runs.items():
-        for name, samples, rate, (main_s, others_s) in (("hisparsed lookup", ours, ours_rate, per_req[0]),
-                                                        ("bare zmq echo", bare, bare_rate, per_req[1])):
-            print(f"{depth:9} {name:18}{percentile(samples, 50) * 1e6:9.1f}"
-                  f"{percentile(samples, 99) * 1e6:10.1f}{rate:9.0f}{main_s * 1e6:18.1f}{others_s * 1e6:8.1f}")
-        p50 = percentile(ours, 50) / percentile(bare, 50)
-        p99 = percentile(ours, 99) / percentile(bare, 99)
-        print(f"{depth:9} ratio hisparsed/echo: p50 {p50:.2f} (target <= 1.3), p99 {p99:.2f}, "
-              f"saturation {ours_rate / bare_rate:.2f} (target >= 0.8), "
-              f"main thread CPU per request {per_req[0][0] / max(per_req[1][0], 1e-9):.1f}x")
+    for depth, rows in runs.items():
+        for name, (out, rate, (main_s, others_s)) in zip(names, rows):
+            print(f"{depth:9} {name:18}{percentile(out, 50) * 1e6:9.1f}"
+                  f"{percentile(out, 99) * 1e6:10.1f}{rate:9.0f}{main_s * 1e6:18.1f}{others_s * 1e6:8.1f}")
+        echo = rows[-1]
+        for i, row in enumerate(rows[:-1]):
+            print(f"{depth:9} ratio {short[i]}/echo: " + _ratios(row, echo, targets=i == 0))
+        if len(rows) == 3:
+            print(f"{depth:9} ratio hisparsed/floor: " + _ratios(rows[0], rows[1], targets=False))
     return 0
+
+
+def _ratios(ours: tuple, base: tuple, targets: bool) -> str:
+    """p50, p99, saturation and main-thread CPU of one server's row against another's."""
+    (ours_s, ours_rate, ours_cpu), (base_s, base_rate, base_cpu) = ours, base
+    p50 = percentile(ours_s, 50) / percentile(base_s, 50)
+    return (f"p50 {p50:.2f}{' (target <= 1.3)' if targets else ''}, "
+            f"p99 {percentile(ours_s, 99) / percentile(base_s, 99):.2f}, "
+            f"saturation {ours_rate / base_rate:.2f}{' (target >= 0.8)' if targets else ''}, "
+            f"main thread CPU per request {ours_cpu[0] / max(base_cpu[0], 1e-9):.1f}x")
 
 
 if __name__ == "__main__":
