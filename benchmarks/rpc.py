@@ -19,7 +19,7 @@ same shape as the daemon's (it reads the id to do so): the client's own
 cost is then in both columns, and its absolute latency is what a caller of
 ``Client`` sees.
 
-A third server, the floor, takes its turns too (``--client raw``): a Python
+A third server, the floor, takes its turns too: a Python
 process on the same uvloop and pyzmq that does only what no lookup server can
 skip: it reads the frame, decodes it with msgpack, looks the 64 keys up in a
 dict and sends a reply of the daemon's shape. No validation, no session,
@@ -226,9 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = [os.urandom(36) for _ in range(KEYS)]
 
     spawn = mp.get_context("spawn")
-    helpers = [("bare zmq echo", echo_server, (args.client == "transport",))]
-    if args.client == "raw":
-        helpers.insert(0, ("python floor", floor_server, (keys,)))
+    helpers = [("python floor", floor_server, (keys,)),
+               ("bare zmq echo", echo_server, (args.client == "transport",))]
     endpoints, procs = [], []
     for _, target, extra in helpers:
         endpoints.append("ipc://" + os.path.join(tempfile.mkdtemp(), "server.sock"))
@@ -260,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         else:  # the same session, named by a Transport's connection: a fresh hello there
             ours_sock.close(linger=0)
             fence.retire()
-            transports = (Transport(path), Transport(endpoints[-1][len("ipc://"):]))
+            transports = [Transport(path), *(Transport(e[len("ipc://"):]) for e in endpoints)]
             hello = transports[0].call(Op.HELLO, 10.0, namespace="bench/rpc", layout=layout,
                                        capacity_bytes=256 << 20, client="benchmarks/rpc")
             session = hello["session"]
