@@ -1,31 +1,32 @@
 """rpc: a 64-key lookup through hisparsed against a bare ZeroMQ echo of the same bytes.
 
-Both servers run at once, on the same machine: the client sends the same
-msgpack lookup frame to (a) hisparsed, which decodes, validates, looks up
-64 keys and replies, and (b) a ROUTER in another process that sends the
-frame straight back, alternating short turns between them so both see the
-same machine noise. The ratio of round-trip percentiles is what the daemon
-adds on top of the transport.
+Three servers run at once, on the same machine, each in its own process, and
+the client sends each the same msgpack lookup frame in short alternating
+turns, so all see the same machine noise:
+
+- hisparsed, which decodes, validates, looks up 64 keys and replies;
+- the floor: a Python process on the same uvloop and pyzmq that does only
+  what no lookup server can skip. It reads the frame, decodes it with
+  msgpack, looks the 64 keys up in a dict and sends a reply of the daemon's
+  shape: no validation, no session, no recency, no fairness, no limits;
+- the echo: a ROUTER that sends the frame straight back.
+
+The ratio of hisparsed's round-trip percentiles to the echo's is what the
+daemon adds on top of the transport; the floor's to the echo's, how close
+any Python server of this protocol gets; hisparsed's to the floor's, what
+the daemon's own work costs.
 
 With ``--inflight 1,8,64`` each turn keeps that many requests in flight on
 one connection (a client whose threads share one transport): the latency
 of each request and the requests per second (saturation) of each server.
 
-``--client raw`` (the default) drives both servers with a bare DEALER, so
-the ratio is the daemon's cost alone. ``--client transport`` drives both
+``--client raw`` (the default) drives every server with a bare DEALER, so
+the ratios are the servers' costs alone. ``--client transport`` drives each
 through the real ``hisparse.client.transport.Transport``, ``depth`` caller
 threads sharing it, and the echo answers each request with a reply of the
 same shape as the daemon's (it reads the id to do so): the client's own
-cost is then in both columns, and its absolute latency is what a caller of
+cost is then in every column, and its absolute latency is what a caller of
 ``Client`` sees.
-
-A third server, the floor, takes its turns too: a Python
-process on the same uvloop and pyzmq that does only what no lookup server can
-skip: it reads the frame, decodes it with msgpack, looks the 64 keys up in a
-dict and sends a reply of the daemon's shape. No validation, no session,
-no recency, no fairness, no limits. Its ratio against the echo is how close
-any Python server of this protocol gets; the daemon's against the floor is
-what hisparsed's own work costs.
 
 Each server's CPU per request is read from ``/proc`` around its turns: its
 main thread (the daemon's event loop; the echo's loop) and its other
