@@ -44,7 +44,6 @@ from hisparse.daemon.limits import CAP_KEYS, FDS_PER_CONNECTION, Limits
 
 log = logging.getLogger(__name__)
 
-_recv = zmq.backend.Socket.recv  # pyzmq's Python-level layer costs more than the read
 _NOBLOCK = int(zmq.NOBLOCK)
 
 REFUSAL_GRACE_S = 0.5  # a refused connection may still read why, this long
@@ -96,6 +95,8 @@ class ConnectionGuard:
         self.limits = limits
         self.path = socket_path
         self.router = router
+        # The Cython socket's own recv: pyzmq's Python-level layer costs more than the read.
+        self._recv = zmq.backend.Socket.recv.__get__(router)
         self.endpoint = endpoint
         # A name of its own: pyzmq's default names it by the router's descriptor number, which a
         # later daemon in the same process (the in-process tests) may get while the old one lingers.
@@ -258,8 +259,9 @@ class ConnectionGuard:
                 del self.refusing[fd]
                 _shutdown_if_ours(fd, self.path)
 
-    def recv(self, sock: zmq.Socket) -> tuple[bytes, list[bytes], list[bytes], str | None]:
-        """One message: (identity, envelope, body frames, refusal of its connection or None).
+    def recv(self) -> tuple[bytes, list[bytes], list[bytes], str | None]:
+        """One message of the router: (identity, envelope, body frames, refusal of its
+        connection or None).
 
         The frames after the identity are read as zmq.Frames: each says itself
         whether another follows (no ``RCVMORE`` getsockopt, which costs more
@@ -267,7 +269,7 @@ class ConnectionGuard:
         word on who sent it (``Peer-Address``) and its descriptor. Raises
         ``zmq.Again`` when none waits.
         """
-        recv = _recv.__get__(sock)  # the Cython socket's own: no Python in between
+        recv = self._recv
         identity = recv(_NOBLOCK)  # a ROUTER's message is its identity and at least one frame
         known = identity in self.limits.peers
         parts: list[bytes] = []

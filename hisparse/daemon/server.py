@@ -44,10 +44,7 @@ SNDHWM_MESSAGES = 64
 # holds at most RCVHWM + 1 frames of this size in the daemon (queued, and one being read).
 MAX_WIRE_MESSAGE_BYTES = protocol.MAX_FRAME_BYTES
 CONNECTION_REQUEST_BYTES = (RCVHWM_MESSAGES + 1) * MAX_WIRE_MESSAGE_BYTES  # what libzmq may hold for one
-# Plain ints, and the Cython socket's own ``get``: pyzmq's Python-level getsockopt turns the
-# option into an enum first, which costs more than libzmq's answer.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
-_get = zmq.backend.Socket.get
 
 
 class Server:
@@ -63,6 +60,10 @@ class Server:
         # A full peer queue or a vanished peer is reported to the send, not
         # silently dropped: the outbox keeps a bounded backlog or drops it.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # _get(_EVENTS) & _POLLIN: a request waits. Plain ints, and the Cython socket's own
+        # ``get``: pyzmq's Python-level getsockopt turns the option into an enum first, which
+        # costs more than libzmq's answer.
+        self._get = zmq.backend.Socket.get.__get__(self.sock)
         self.outbox = Outbox(self.sock)
         self.fair = FairQueue()  # read, not yet served
         self.limits = Limits(caps_of(ctx.config))
@@ -144,8 +145,8 @@ class Server:
     # -- the data path --
 
     def _on_readable(self) -> None:
-        sock, guard, fair = self.sock, self.guard, self.fair
-        waiting = _get.__get__(sock)  # waiting(_EVENTS) & _POLLIN: a message waits (no Again raised)
+        guard, fair = self.guard, self.fair
+        waiting = self._get  # a message waits: no Again raised, as a read would
         self._reading = True
         try:
             deadline = time.monotonic() + MAX_BATCH_S
@@ -162,7 +163,7 @@ class Server:
                     if reads % 16 == 0 and guard.on_events():  # not kept waiting by a busy batch;
                         asyncio.get_running_loop().call_soon(self._on_connection_events)  # edge went
                     try:
-                        identity, envelope, body, refusal = guard.recv(sock)
+                        identity, envelope, body, refusal = guard.recv()
                     except zmq.Again:
                         idle = True
                         break
@@ -260,7 +261,7 @@ class Server:
         """After a send outside the reader (a deferred reply, the outbox's flush): the send may
         have taken ZeroMQ's edge-triggered readable signal, so ask the socket whether a request
         waits, or the loop would wait for some other event to read it."""
-        if not self._reading and _get(self.sock, _EVENTS) & _POLLIN:
+        if not self._reading and self._get(_EVENTS) & _POLLIN:
             asyncio.get_running_loop().call_soon(self._on_readable)
 
     def _drain(self) -> None:

@@ -170,8 +170,8 @@ def _keys(msg: dict[str, Any], name: str = _KEYS, proven: frozenset[str] = froze
     except TypeError:
         pass
     else:
-        if SHORT_BINS in proven:  # msgpack held every bin to MAX_KEY_BYTES: empty ones are left
-            if all(keys) if MIN_KEY_BYTES == 1 else min(map(len, keys), default=1) >= MIN_KEY_BYTES:
+        if SHORT_BINS in proven:  # msgpack held every bin to MAX_KEY_BYTES: left, MIN_KEY_BYTES (1)
+            if all(keys):  # no key is empty
                 return keys
         else:
             lengths = set(map(len, keys))  # usually one length: min and max are then free
