@@ -319,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         echo = rows[-1]
         for i, row in enumerate(rows[:-1]):
             print(f"{depth:9} ratio {short[i]}/echo: " + _ratios(row, echo, targets=i == 0))
-        if len(rows) == 3:
-            print(f"{depth:9} ratio hisparsed/floor: " + _ratios(rows[0], rows[1], targets=False))
+        print(f"{depth:9} ratio hisparsed/floor: " + _ratios(rows[0], rows[1], targets=False))
     return 0
 
 
