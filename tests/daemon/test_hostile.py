@@ -212,3 +212,44 @@ def test_replies_are_not_kept_for_a_peer_that_stops_reading_or_leaves(daemon_fac
             time.sleep(0.05)
     finally:
         c.close()
+
+
+def test_a_flood_of_small_frames_with_long_keys_is_refused_key_by_key_and_serving_goes_on(hisparsed):
+    """A small frame is decoded with bins held to a key's length; one with longer bins goes to
+    the scan and a second decode. A peer pipelining thousands of them gets each one's typed
+    error, addressed; a client of the same namespace is served meanwhile and loses nothing."""
+    layout = KVLayout(1, 1, 64)
+    good = RawClient(hisparsed.socket, timeout_s=30)
+    flood = zmq.Context.instance().socket(zmq.DEALER)
+    flood.setsockopt(zmq.LINGER, 0)
+    try:
+        good.hello("long-keys", layout, capacity_bytes=64 * 100)
+        keys = keys_for("kept", 32)  # within a session's share of the region
+        good.call(Op.RESERVE, keys=keys)
+        good.call(Op.COMMIT, keys=keys)
+        flood.connect("ipc://" + hisparsed.socket)
+        flood.send(protocol.encode_request(Op.HELLO, 1, namespace="long-keys", layout=layout,
+                                           client="long keys"))
+        assert flood.poll(10_000)
+        session = protocol.decode_reply(flood.recv()).result()["session"]
+        total, long_key = 2000, protocol.MAX_KEY_BYTES + 1
+        sender = threading.Thread(target=lambda: [
+            flood.send(protocol.encode_request(Op.LOOKUP, 2 + i, session=session,
+                                               keys=[*keys[:8], b"x" * (long_key + i % 190)]))
+            for i in range(total)])
+        sender.start()
+        while sender.is_alive():
+            assert good.call(Op.LOOKUP, keys=keys) == {"count": 32}
+        sender.join()
+        answered = set()
+        while len(answered) < total:
+            assert flood.poll(30_000), f"{len(answered)} of {total} answered"
+            reply = protocol.decode_reply(flood.recv())
+            assert reply.error_code == protocol.ErrorCode.INVALID_ARGUMENT.value, reply
+            assert "keys[8] is" in reply.error_message
+            answered.add(reply.id)
+        assert answered == set(range(2, 2 + total))
+        assert good.call(Op.LOOKUP, keys=keys) == {"count": 32}
+    finally:
+        flood.close(linger=0)
+        good.close()
