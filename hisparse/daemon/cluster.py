@@ -20,7 +20,8 @@ loop (``_on_loop``), so the index stays single-threaded.
   simply not in the cluster.
 - Promotion: reserve -> get into the reserved pages -> verify header and
   hash -> commit, or abort on any mismatch: the same fencing as a client's
-  store; a refused value is removed from the cluster and counted.
+  store; a refused value is removed from the cluster and counted. Other
+  jobs run between a promotion's rounds (``cluster_promote``).
 - The cluster down (``cluster_health``): the tier marks itself down for at
   least as long as the failed call took, fails waited calls at once
   meanwhile (queued ones too), answers from what it knows, keeps the
@@ -38,7 +39,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
@@ -173,10 +174,12 @@ class ClusterTier:
         if not wait:
             body["queued"] = len(todo)
             background = dict(body, missing_keys=[])  # the reply is sent now; the job counts apart
-            self._submit(lambda: self._promote(space, todo, background, None))
+            self._submit(lambda: self._promote(cluster_promote.promote(self, space, todo, background),
+                                               background, None))
             return body
         fut: Future = Future()
-        self._submit(lambda: self._promote(space, todo, body, fut), lambda: _fail(fut, self._unavailable()))
+        self._submit(lambda: self._promote(cluster_promote.promote(self, space, todo, body), body, fut),
+                     lambda: _fail(fut, self._unavailable()))
         self._expire(fut, None)
         return fut
 
@@ -189,18 +192,16 @@ class ClusterTier:
 
     def stats(self) -> dict[str, Any]:
         c = self.config
-        out: dict[str, Any] = {"backend": c.backend, "state": self.state, "master": c.master,
-                               "protocol": c.protocol, "write_policy": c.write_policy,
-                               "replicas": c.replicas, "queue_pages": c.queue_pages, "timeout_s": c.timeout_s,
-                               "queue_depth": len(self._queue), "known_remote_keys": len(self._known),
-                               "last_error": self.health.last_error}
-        out.update(self.counters)
-        return out
+        return {"backend": c.backend, "state": self.state, "master": c.master, "protocol": c.protocol,
+                "write_policy": c.write_policy, "replicas": c.replicas, "queue_pages": c.queue_pages,
+                "timeout_s": c.timeout_s, "queue_depth": len(self._queue), "known_remote_keys": len(self._known),
+                "last_error": self.health.last_error, **self.counters}
 
     def _space(self, ns: Namespace) -> Space:
         space = self._spaces.get(ns.name)
         if space is None or space.ns is not ns:
             if space is not None:  # the namespace was dropped and made again: forget the old one
+                space.dropped = True
                 with self._cond:
                     self._queue = deque(e for e in self._queue if e[0] is not space)
                     space.queued.clear()
@@ -232,16 +233,11 @@ class ClusterTier:
         def expire() -> None:
             if fut.done():
                 return
-            try:
-                if fallback is not None:
-                    fut.set_result(fallback())
-                else:
-                    fut.set_exception(WireError(
-                        ErrorCode.CLUSTER_UNAVAILABLE,
-                        f"the cluster did not answer within {self.config.timeout_s}s "
-                        "(cluster.timeout); the pages stay where they are"))
-            except InvalidStateError:
-                pass
+            if fallback is not None:
+                _resolve(fut, fallback())
+            else:
+                _fail(fut, WireError(ErrorCode.CLUSTER_UNAVAILABLE, f"the cluster did not answer within "
+                                     f"{self.config.timeout_s}s (cluster.timeout); the pages stay where they are"))
         assert self._loop is not None
         self._loop.call_later(self.config.timeout_s, expire)
 
@@ -276,12 +272,17 @@ class ClusterTier:
             space.ns.index.end_hold(page, stamp)
 
     def _reserve(self, space: Space, keys: list[bytes]) -> tuple[list[tuple[bytes, int]], int]:
-        """Pages to fetch ``keys`` into, and how many keys someone else is writing."""
+        """Pages to fetch ``keys`` into, and how many keys someone else is writing (none: dropped)."""
+        if space.dropped:
+            return [], 0
         slots, _evicted = space.ns.index.reserve(tuple(keys), space.held)
         mine = [(k, s) for k, s in zip(keys, slots) if s >= 0]
         return mine, sum(1 for s in slots if s == -2)
 
     def _settle(self, space: Space, good: list[tuple[bytes, int]], bad: list[tuple[bytes, int]]) -> None:
+        if space.dropped:  # its pages went with it
+            space.held.clear()
+            return
         index = space.ns.index
         for key, page in bad:
             if space.held.pop(key, None) is not None:
@@ -369,23 +370,25 @@ class ClusterTier:
         self.counters["remote_keys"] += lead
         _resolve(fut, known + lead)
 
-    def _promote(self, space: Space, keys: list[bytes], body: dict[str, Any], fut: Future | None) -> None:
+    def _promote(self, rounds: Iterator[None], body: dict[str, Any], fut: Future | None) -> None:
+        """One round of a promotion (``cluster_promote.promote``); the next goes to the back of
+        the worker's jobs, or is given up (its future failed) if the tier is down by then."""
         try:
-            cluster_promote.promote(self, space, keys, body)
+            next(rounds)
+        except StopIteration:
+            _resolve(fut, body)
+            return
         except BaseException as exc:
-            if fut is not None and not fut.done():
-                try:
-                    fut.set_exception(WireError(ErrorCode.CLUSTER_UNAVAILABLE,
-                                                f"the cluster failed during prefetch: {exc}"))
-                except InvalidStateError:
-                    pass
+            _fail(fut, WireError(ErrorCode.CLUSTER_UNAVAILABLE, f"the cluster failed during prefetch: {exc}"))
             raise
-        _resolve(fut, body)
+        self._submit(lambda: self._promote(rounds, body, fut),
+                     lambda: (rounds.close(), _fail(fut, self._unavailable())))  # down by then
 
 
-def _fail(fut: Future, exc: BaseException) -> None:
-    with contextlib.suppress(InvalidStateError):  # already timed out
-        fut.set_exception(exc)
+def _fail(fut: Future | None, exc: BaseException) -> None:
+    if fut is not None:
+        with contextlib.suppress(InvalidStateError):  # already timed out
+            fut.set_exception(exc)
 
 
 def _resolve(fut: Future | None, value: Any) -> None:

@@ -5,8 +5,9 @@ engine: pinned memory under RDMA). A dropped namespace's region file is
 unlinked, but its memory comes back only once every mapping of it is gone,
 the tier's included. So a drop (``Registry.on_drop``, on the loop) forgets
 the namespace's queued pages at once and hands its space to the worker,
-which unregisters and unmaps it between two jobs, when no put or get is
-using it, whether the cluster is up or not.
+which unregisters and unmaps it between two jobs (a promotion's rounds are
+jobs apart: ``cluster_promote.promote``), when no put or get is using it,
+whether the cluster is up or not.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def dropped(tier: ClusterTier, ns: Namespace) -> None:
     if space is None or space.ns is not ns:
         return
     del tier._spaces[ns.name]
+    space.dropped = True  # the index calls asked of the loop now do nothing; a promotion stops
     with tier._cond:
         tier._queue = deque(e for e in tier._queue if e[0] is not space)
         space.queued.clear()

@@ -46,6 +46,7 @@ class Space:
     queued: set[bytes] = field(default_factory=set)  # keys in the write-behind queue
     held: dict[bytes, int] = field(default_factory=dict)  # pages the tier reserved: key -> page
     retries: dict[bytes, int] = field(default_factory=dict)  # failed puts of a queued key so far
+    dropped: bool = False  # its namespace was dropped (set on the loop): no index call, no new round
 
     def slices(self, page: int) -> tuple[list[int], list[int]]:
         """Addresses and sizes of ``page``'s per-layer slices, in logical (layer-major) order."""

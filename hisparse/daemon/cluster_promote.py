@@ -5,8 +5,10 @@ does. A promotion goes round by round (``round_pages`` keys): which keys
 the cluster holds -> pages reserved for them (on the loop) -> gets of
 ``batch_pages`` values (over TCP at least ``TCP_GET_PAGES``) -> header
 and content hash checked -> the good pages committed, the rest aborted
-(on the loop). A large promotion must not keep the daemon from answering,
-so:
+(on the loop). Between two rounds the worker serves its other jobs (each
+round is a job of its own, queued behind them). A large promotion must
+not keep the daemon from answering, nor other engines' prefetches
+waiting, so:
 
 - the loop only does index work, at most ``LOOP_BATCH_PAGES`` pages a
   call; the worker posts each get's commits without waiting for them
@@ -45,7 +47,11 @@ if TYPE_CHECKING:
     from hisparse.daemon.cluster_io import Space
 
 STAGE_BYTES = 128 << 20  # TCP gets land here first; resident once used
-ROUND_BYTES = 16 << 20  # the values one round reserves pages for (at least batch_pages of them)
+# The values one round reserves pages for (at least batch_pages of them). The worker serves its
+# other jobs between rounds, so a round is what another engine's prefetch may wait behind: on
+# the 2-core CI machine over TCP, 4 MiB is about 0.1 s (16 MiB made new requests wait 0.8 s
+# during a promotion, benchmarks/pd_decode.py), and the promotion took no longer.
+ROUND_BYTES = 4 << 20
 ROUND_SHARE = 4  # and at most 1/4 of the namespace's pages (as write-behind holds)
 LOOP_BATCH_PAGES = 256  # pages one call on the loop reserves or settles: well under a millisecond
 # Values one TCP get takes at least, whatever batch_pages says: Mooncake's cost per call (a
@@ -57,14 +63,24 @@ TCP_GET_PAGES = 256
 Pairs = list[tuple[bytes, int]]
 
 
-def promote(tier: ClusterTier, space: Space, keys: list[bytes], body: dict[str, Any]) -> None:
-    """Fetch the cluster's pages of ``keys`` into reserved pages; commit only verified ones."""
+def promote(tier: ClusterTier, space: Space, keys: list[bytes], body: dict[str, Any]) -> Iterator[None]:
+    """Fetch the cluster's pages of ``keys`` into reserved pages; commit only verified ones.
+
+    A generator: it yields after each round, and the worker serves its other jobs (another
+    engine's small prefetch, a lookup's probe) before the next, so a large promotion delays
+    them by one round, not by all of it. A round begins only while the namespace's region is
+    the tier's: the rest of a dropped namespace's promotion is given up (its region is unmapped
+    between jobs, ``cluster_drop``)."""
     try:
         cluster_io._register(tier, space)  # early: the region is the target of RDMA gets, and puts later
     except ClusterUnavailableError as exc:
         raise ClusterDown(str(exc)) from None
     step = round_pages(tier, space)
     for start in range(0, len(keys), step):
+        if start:
+            yield
+        if space.dropped:
+            return
         chunk = keys[start:start + step]
         held = cluster_io.exist(tier, space, chunk, prefix=False)
         have = [k for k, h in zip(chunk, held) if h]
@@ -75,6 +91,8 @@ def promote(tier: ClusterTier, space: Space, keys: list[bytes], body: dict[str, 
         if not have:
             continue
         mine, busy = reserve(tier, space, have)
+        if space.dropped:
+            return
         body["busy"] += busy
         if len(mine) + busy < len(have):  # committed meanwhile, or no room left
             body["local"] += len(have) - len(mine) - busy
@@ -225,7 +243,8 @@ def _post_settle(tier: ClusterTier, space: Space, good: Pairs, bad: Pairs, body:
 def _settle_and_count(tier: ClusterTier, space: Space, good: Pairs, bad: Pairs, body: dict[str, Any],
                       page_bytes: int) -> None:
     tier._settle(space, good, bad)
-    verify.count_promoted(tier, body, len(good), page_bytes)
+    if not space.dropped:
+        verify.count_promoted(tier, body, len(good), page_bytes)
 
 
 def _stage(tier: ClusterTier) -> np.ndarray:
