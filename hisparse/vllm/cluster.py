@@ -10,17 +10,20 @@ cluster, nor for a request about it, so a local miss goes like this:
   daemon said the cluster lacks it, or ``PROMOTE_WAIT_S`` passed without it
   landing, ``MISS``, and the key counts as absent for ``ABSENT_S``;
 - ``flush()`` (vLLM's ``on_schedule_end``): hands this step's keys to a
-  background thread, which sends one waited ``prefetch``; the daemon
+  background sender, which sends one waited ``prefetch``; the daemon
   promotes what the cluster has (exists -> reserve -> get -> verify ->
   commit, the same fencing as any store) and names what it lacks
   (``missing_keys``), so a prompt nobody has cached costs one deferred
-  step, not the whole wait;
+  step, not the whole wait. ``SENDERS`` threads share the engine's
+  client: a long promotion (one request's long prompt) keeps no later
+  request's keys waiting behind it, their prefetches go out meanwhile and
+  the daemon serves them between its rounds (``daemon/cluster_promote.py``);
 - promoted pages are committed like any other, so the manager's mirror
   sees them and the next lookup is a plain ``HIT``; ``promoted`` then names
   the cluster as the load source (``CacheHitSource.P2P``).
 
 The scheduler's thread makes no request at all: whether the daemon has a
-cluster tier is asked once by the sender thread (lookups miss until then),
+cluster tier is asked once by a sender thread (lookups miss until then),
 and a daemon without one makes all of this a no-op.
 """
 
@@ -43,6 +46,7 @@ PROMOTE_WAIT_S = 2.0  # how long a queued key may answer RETRY before it counts 
 ABSENT_S = 10.0  # a key the cluster did not deliver is not asked for again this long
 MAX_TRACKED_KEYS = 1 << 16
 PROBE = "probe"  # the sender's item: ask the daemon whether it has a cluster tier
+SENDERS = 4  # prefetches in flight at most; one item's chunks go one after another
 
 
 class ClusterPromotions:
@@ -58,7 +62,7 @@ class ClusterPromotions:
         self.promoted: set[bytes] = set()  # keys that arrived from the cluster (load source)
         self.requested_keys = 0
         self._outbox: queue.SimpleQueue[list[bytes] | str | None] = queue.SimpleQueue()
-        self._sender: threading.Thread | None = None
+        self._senders: list[threading.Thread] = []
         self._probing = False
         self._post(PROBE)  # learn now whether the daemon has a cluster tier, off this thread
 
@@ -109,7 +113,7 @@ class ClusterPromotions:
             return bool(self._queued) or any(t > now for t in self._pending.values())
 
     def close(self) -> None:
-        if self._sender is not None:
+        for _ in self._senders:
             self._outbox.put(None)
 
     def _post(self, item: list[bytes] | str) -> None:
@@ -118,10 +122,11 @@ class ClusterPromotions:
                 if self._probing:
                     return
                 self._probing = True
-            if self._sender is None:
-                self._sender = threading.Thread(target=self._send_loop, daemon=True,
-                                                name="hisparse-cluster-prefetch")
-                self._sender.start()
+            if not self._senders:
+                self._senders = [threading.Thread(target=self._send_loop, daemon=True,
+                                                  name=f"hisparse-cluster-prefetch-{i}") for i in range(SENDERS)]
+                for sender in self._senders:
+                    sender.start()
         self._outbox.put(item)
 
     def _send_loop(self) -> None:

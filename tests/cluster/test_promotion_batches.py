@@ -35,16 +35,16 @@ PAGES = 3000
 MOST_PAGES_PER_LOOP_CALL = 256  # cluster_promote.LOOP_BATCH_PAGES: well under a millisecond of index work
 
 
-def plant_many(store, keys: list[bytes], data: np.ndarray) -> None:
+def plant_many(store, keys: list[bytes], data: np.ndarray, namespace: str = "m", layout=LAYOUT) -> None:
     """Put every page's value (header + bytes) into the cluster, a buffer's worth per call."""
-    fp = fmt.fingerprint("m", LAYOUT)
-    per = fmt.HEADER_BYTES + LAYOUT.page_bytes
+    fp = fmt.fingerprint(namespace, layout)
+    per = fmt.HEADER_BYTES + layout.page_bytes
     buf = np.zeros(256 * per, dtype=np.uint8)
     assert store.register_buffer(buf.ctypes.data, buf.nbytes) == 0
     for start in range(0, len(keys), 256):
         batch = list(zip(keys[start:start + 256], data[start:start + 256]))
         for i, (key, page) in enumerate(batch):
-            header = fmt.pack_header(fp, LAYOUT.page_bytes, fmt.content_hash(key, [page]))
+            header = fmt.pack_header(fp, layout.page_bytes, fmt.content_hash(key, [page]))
             buf[i * per:i * per + fmt.HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
             buf[i * per + fmt.HEADER_BYTES:(i + 1) * per] = page
         names = [fmt.cluster_key(fp, key) for key, _ in batch]

@@ -65,3 +65,42 @@ def test_consumer_on_b_retries_then_loads_the_producers_bytes_from_the_cluster(n
     finally:
         producer.close()
         consumer.close()
+
+
+def test_a_key_missed_during_a_long_promotion_is_answered_before_that_promotion_ends(nodes, planter):
+    # A decode node promotes one request's long prompt (one waited prefetch, 8 rounds in the
+    # daemon); the next request's keys, nowhere in the cluster, get their answer (MISS) in the
+    # meantime: before, they waited behind the whole promotion in the manager's one sender.
+    import time
+
+    import numpy as np
+
+    from hisparse import KVLayout, client
+    from hisparse.vllm.cluster import ClusterPromotions
+    from tests.cluster.test_promotion_batches import plant_many
+    from tests.rawclient import keys_for
+
+    (b,) = nodes(1)
+    layout, n = KVLayout(4, 16, 256), 2048  # 16 KiB pages, 32 MiB: rounds of 255 pages
+    big, small = keys_for("long-prompt", n), keys_for("next-request", 2)
+    data = np.random.default_rng(3).integers(0, 256, (n, layout.page_bytes), dtype=np.uint8)
+    plant_many(planter.store, big, data, "pd", layout)
+    with client.attach("pd", layout, socket=b.socket, capacity=3 * n * layout.page_bytes // 2) as c:
+        promotions = ClusterPromotions(c, time.monotonic)
+
+        def promoted() -> int:
+            return c.stats()["daemon"]["cluster"]["promoted_pages"]
+
+        wait_for("the cluster tier known", lambda: promotions.miss(big[0]) == LookupResult.RETRY)
+        assert all(promotions.miss(k) == LookupResult.RETRY for k in big[1:])
+        promotions.flush()  # the scheduler's step end: the long prompt's prefetch goes out
+        wait_for("the promotion under way", lambda: promoted() > 0)
+        assert [promotions.miss(k) for k in small] == [LookupResult.RETRY] * 2
+        promotions.flush()
+        wait_for("a prefetch answered", lambda: promotions.requested_keys > 0)
+        assert promotions.requested_keys == len(small), "the next request's keys waited for the long prompt"
+        assert promoted() < n
+        assert [promotions.miss(k) for k in small] == [LookupResult.MISS] * 2  # the daemon said: nowhere
+        wait_for("the long prompt promoted", lambda: promotions.requested_keys == len(small) + n, timeout_s=120)
+        assert promoted() == n
+        promotions.close()
