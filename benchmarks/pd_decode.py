@@ -5,18 +5,29 @@ cluster.py``'s master and daemons). A prefill side stores ``--size`` of
 pages of the decode engine's namespace on node A (write-behind puts them in
 the cluster). The decode engine on node B is vLLM's real ``Scheduler`` with
 the hisparse ``OffloadingConnector`` (``tests/vllm/harness.py``, no model),
-decoding ``--requests`` requests. Its manager's own client then promotes
-every page with one waited ``prefetch`` (the call ``vllm/cluster.py``
-makes), while the engine keeps stepping.
+decoding ``--requests`` requests. Its manager's own senders then promote
+every page, as ``vllm/cluster.py`` does a long prompt's keys (one item,
+its waited ``prefetch`` calls one after another on the manager's client),
+while the engine keeps stepping.
+
+Requests keep arriving in both phases, one every ``--arrive-every``
+steps: each starts with a 64-token prefix that a prefill engine on node B
+computed before (its blocks held by B's daemon, never in the decode
+engine's GPU cache), then 32 new tokens. So the scheduler looks held
+blocks up and stores new ones while the promotion runs, as in a P/D
+decode node.
 
 Per phase (no promotion, then promotion), on the same engine: p50/p99 of
 ``schedule()``, the share of the phase's wall time spent inside it
-(blocked share), and the scheduler's failed ``prepare_store`` calls.
-Ratios promotion / none. Beside them, the decode daemon's own answer
-time: a separate process pings it every ``PING_EVERY_S`` (p99 and the
-longest wait, which is how long the daemon was silent at most).
+(blocked share), the scheduler's failed ``prepare_store`` calls, the
+arrivals that recomputed any of their held prefix (a held block that
+answered MISS), and the time from an arrival to its end (its new keys are
+asked of the cluster first: while they wait, so does the request). Ratios
+promotion / none. Beside them, the decode daemon's own answer time: a
+separate process pings it every ``PING_EVERY_S`` (p99 and the longest
+wait, which is how long the daemon was silent at most).
 
-    python benchmarks/pd_decode.py [--size 64MiB] [--requests 4] [--seconds 3]
+    python benchmarks/pd_decode.py [--size 64MiB] [--requests 4] [--seconds 3] [--arrive-every 4]
 """
 
 from __future__ import annotations
@@ -40,10 +51,11 @@ from benchmarks.cluster import _cluster, _keys, _wait, daemon, master  # noqa: E
 from hisparse import client, format_size, parse_size  # noqa: E402
 from hisparse.ctl import Control  # noqa: E402
 from hisparse.errors import HisparseError  # noqa: E402
-from hisparse.protocol import MAX_KEYS_PER_REQUEST, Op  # noqa: E402
+from hisparse.protocol import Op  # noqa: E402
 
 
 PING_EVERY_S = 0.005
+HELD_TOKENS, NEW_TOKENS = 64, 32  # an arrival's prompt: a held prefix (whole blocks), then its own
 # Pings the daemon until its stdin closes, then prints "sent_at answer_s" per ping.
 # A process of its own, so that the engine's Python threads do not delay its pings.
 PINGER = """
@@ -88,13 +100,58 @@ def manager_of(engine):
     return engine.manager
 
 
-def phase(engine, seconds: float, stop: threading.Event | None = None) -> tuple[list[float], float]:
-    """Step for ``seconds`` (or until ``stop``): schedule() times and the phase's wall time."""
-    start = len(engine.schedule_s)
+class Arrivals:
+    """Requests whose prompts begin with a prefix another engine computed (held by the daemon)."""
+
+    def __init__(self, engine, held: list[list[int]], every: int) -> None:
+        self.engine, self.held, self.every = engine, held, every
+        self.added: list[str] = []
+        self.steps = 0
+        self.added_at: dict[str, float] = {}
+        self.wait_s: dict[str, float] = {}  # from its arrival to its end (its one token)
+
+    def step(self) -> None:
+        """One engine step; a new arrival first, every ``every`` steps, while held prefixes last."""
+        from tests.vllm import harness
+
+        if self.every and self.steps % self.every == 0 and len(self.added) < len(self.held):
+            i = len(self.added)
+            self.added.append(f"a{i}")
+            self.engine.add(self.added[-1], self.held[i] + harness.prompt(20_000 + i, NEW_TOKENS))
+            self.added_at[self.added[-1]] = time.perf_counter()
+        self.steps += 1
+        self.engine.step()
+        self.settle()
+
+    def settle(self) -> None:
+        now = time.perf_counter()
+        for req_id in list(self.added_at):
+            if req_id in self.engine.finished:
+                self.wait_s[req_id] = now - self.added_at.pop(req_id)
+
+    def waits_ms(self, req_ids: list[str]) -> str:
+        """p50 and longest time from arrival to end of ``req_ids``, in ms."""
+        waits = [self.wait_s[r] for r in req_ids]
+        return f"{percentile(waits, 50) * 1e3:.0f}/{max(waits) * 1e3:.0f}" if waits else "-"
+
+    def p50_s(self, req_ids: list[str]) -> float:
+        return percentile([self.wait_s[r] for r in req_ids], 50) if req_ids else float("nan")
+
+    def recomputed(self, req_ids: list[str]) -> int:
+        """Of ``req_ids`` (finished), those that computed any token of their held prefix."""
+        return sum(self.engine.computed[r] > NEW_TOKENS for r in req_ids)
+
+
+def phase(arrivals: Arrivals, seconds: float,
+          stop: threading.Event | None = None) -> tuple[list[float], float, list[str]]:
+    """Step for ``seconds`` (or until ``stop``): schedule() times, the phase's wall time, and
+    the requests that arrived in it."""
+    engine = arrivals.engine
+    start, first = len(engine.schedule_s), len(arrivals.added)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds if stop is None else not stop.is_set():
-        engine.step()
-    return engine.schedule_s[start:], time.perf_counter() - t0
+        arrivals.step()
+    return engine.schedule_s[start:], time.perf_counter() - t0, arrivals.added[first:]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="64MiB", help="bytes promoted (whole pages of the engine's layout)")
     p.add_argument("--requests", type=int, default=4, help="requests decoding meanwhile")
     p.add_argument("--seconds", type=float, default=3.0, help="length of the no-promotion phase")
+    p.add_argument("--arrive-every", type=int, default=4,
+                   help="steps between arrivals with a held prefix (0: none)")
+    p.add_argument("--held", type=int, default=160, help="held prefixes computed beforehand (arrivals at most)")
     args = p.parse_args(argv)
     from tests.vllm import harness
 
@@ -144,14 +204,25 @@ def main(argv: list[str] | None = None) -> int:
         with client.attach(ns, layout, socket=a_sock, capacity=2 * size, timeout_s=120) as ca:
             assert ca.store(keys, data) == n
             _wait("A's write-behind", lambda: _cluster(a_sock)["put_pages"] >= n, timeout_s=600)
+        held = [harness.prompt(10_000 + i, HELD_TOKENS) for i in range(args.held)]
+        prefill = harness.VllmEngine(b_sock, engine_id="prefill-b", timeout_s=10.0)
+        try:  # node B's own prefill engine: its blocks are held by B's daemon, never in decode-b's GPU
+            for i, prompt in enumerate(held):
+                prefill.add(f"h{i}", prompt)
+            prefill.run([f"h{i}" for i in range(len(held))], timeout_s=600)
+            prefill.drain(timeout_s=120)
+        finally:
+            prefill.shutdown()
+        arrivals = Arrivals(engine, held, 0)
         for r in range(args.requests):
             engine.add(f"d{r}", harness.prompt(100 + r, 48), max_tokens=100_000)
         probe = pinger(b_sock)
         stack.callback(probe.kill)
-        phase(engine, 1.0)  # warm up: prefills done, decoding
+        phase(arrivals, 1.0)  # warm up: prefills done, decoding
+        arrivals.every = args.arrive_every
         b_pid = daemon_pid(b_sock)
         base_t0, base_cpu0 = time.time(), cpu_s(b_pid)
-        base, base_wall = phase(engine, args.seconds)
+        base, base_wall, base_arrived = phase(arrivals, args.seconds)
         during_t0, during_cpu0 = time.time(), cpu_s(b_pid)
         base_failed = list(failed)
         took: dict[str, float] = {}
@@ -159,17 +230,23 @@ def main(argv: list[str] | None = None) -> int:
 
         def promote() -> None:
             t0 = time.perf_counter()
-            try:  # the engine's own promotion path (vllm/cluster.py), on its manager's client
-                for start in range(0, n, MAX_KEYS_PER_REQUEST):  # as its sender thread chunks
-                    manager._cluster._send(keys[start:start + MAX_KEYS_PER_REQUEST])
+            promotions = manager._cluster
+            asked = promotions.requested_keys + n  # counted as each waited prefetch is answered
+            try:  # the engine's own promotion path (vllm/cluster.py): one item to its senders
+                promotions._post(keys)
+                _wait("the promotion's prefetches answered", lambda: promotions.requested_keys >= asked,
+                      timeout_s=900)
             finally:
                 took["s"] = time.perf_counter() - t0
                 stop.set()
 
         threading.Thread(target=promote, daemon=True).start()
-        during, during_wall = phase(engine, 0, stop)
+        during, during_wall, during_arrived = phase(arrivals, 0, stop)
         during_t1, during_cpu1 = time.time(), cpu_s(b_pid)
         during_failed = [failed[0] - base_failed[0], failed[1] - base_failed[1]]
+        while arrivals.added_at:  # the arrivals' lookups were made in their phase
+            engine.step()
+            arrivals.settle()
         tier = _cluster(b_sock)
         promoted = tier["promoted_pages"]
         answers = pings(probe)
@@ -182,16 +259,18 @@ def main(argv: list[str] | None = None) -> int:
           f"({(during_cpu0 - base_cpu0) / base_wall:.2f} CPU s/s before it); its cluster worker "
           f"{tier['get_s']:.2f} s in gets, {tier['hash_s']:.2f} s checking")
     print(f"{'':18}{'steps':>7}{'p50 ms':>9}{'p99 ms':>9}{'blocked':>9}{'failed prepare_store':>22}"
-          f"{'pings':>7}{'ping p99 ms':>13}{'max ms':>9}")
-    rows = (("no promotion", base, base_wall, base_failed, base_ping),
-            ("promotion", during, during_wall, during_failed, during_ping))
-    for name, s, wall, f, p in rows:
+          f"{'held prefix missed':>20}{'arrival p50/max ms':>20}{'pings':>7}{'ping p99 ms':>13}{'max ms':>9}")
+    rows = (("no promotion", base, base_wall, base_failed, base_arrived, base_ping),
+            ("promotion", during, during_wall, during_failed, during_arrived, during_ping))
+    for name, s, wall, f, came, p in rows:
         print(f"{name:18}{len(s):7}{percentile(s, 50) * 1e3:9.2f}{percentile(s, 99) * 1e3:9.2f}"
-              f"{sum(s) / wall:9.3f}{f'{f[1]} of {f[0]}':>22}"
+              f"{sum(s) / wall:9.3f}{f'{f[1]} of {f[0]}':>22}{f'{arrivals.recomputed(came)} of {len(came)}':>20}"
+              f"{arrivals.waits_ms(came):>20}"
               f"{len(p):7}{percentile(p, 99) * 1e3:13.2f}{max(p) * 1e3:9.2f}")
     print(f"ratio promotion/none: p99 schedule() {percentile(during, 99) / percentile(base, 99):.2f}, "
           f"blocked share {(sum(during) / during_wall) / (sum(base) / base_wall):.2f}, "
-          f"daemon ping p99 {percentile(during_ping, 99) / percentile(base_ping, 99):.2f}")
+          f"daemon ping p99 {percentile(during_ping, 99) / percentile(base_ping, 99):.2f}, "
+          f"arrival p50 {arrivals.p50_s(during_arrived) / arrivals.p50_s(base_arrived):.2f}")
     return 0
 
 
