@@ -6,7 +6,8 @@ per turn of the sender) runs in this process on a real context (a region of
 64-byte pages in shared memory, a session holding its fence). Each turn: a
 reserve of 16,384 keys of mixed lengths, their publish under 16,384 other
 keys (every other turn with ``pin``), then a pin and its unpin (and one of
-publish's pins), and a reserve and a commit of 16,384 fresh keys. For each request it
+publish's pins), a reserve and a commit of 16,384 fresh keys, and their lookup (the largest
+read: one chain stored at once, its recency set in one vectorised step). For each request it
 prints the whole of its handling, its longest single hold of the loop (the
 first call or any one slice) and its slices; the baseline, in the same run,
 is ``protocol.decode_request`` of the same frame, which the first call pays.
@@ -99,6 +100,7 @@ async def measure(turns: int) -> None:
                 *[("unpin", lambda: dict(op=Op.UNPIN, pages=pages))] * (2 if pin else 1),
                 ("reserve", lambda: dict(op=Op.RESERVE, keys=fresh)),
                 ("commit", lambda: dict(op=Op.COMMIT, keys=fresh)),
+                ("lookup", lambda: dict(op=Op.LOOKUP, keys=fresh)),
             ]
             for name, fields in steps:
                 f = fields()
@@ -122,7 +124,7 @@ async def measure(turns: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--turns", type=int, default=4, help="turns of the six requests (odd ones publish with pin)")
+    ap.add_argument("--turns", type=int, default=4, help="turns of the seven requests (odd ones publish with pin)")
     asyncio.run(measure(ap.parse_args(argv).turns))
     return 0
 

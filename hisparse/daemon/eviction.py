@@ -23,7 +23,7 @@ from array import array
 import numpy as np
 
 HELD = (1 << 64) - 1
-RUN_MAX = 4096  # longest run ``touch_run`` stores in one vectorised step
+RUN_MAX = 4096  # longest run ``touch_run`` finds its offsets ready for (a longer one makes them)
 MIN_BATCH = 1024
 BATCH_FRACTION = 512  # batch = max(MIN_BATCH, N / BATCH_FRACTION)
 
@@ -131,11 +131,9 @@ class StampLRU:
         so the element-wise maximum picks exactly these). The stamps themselves
         equal ``touch_many``'s when no page of the run is held.
         """
-        if n > RUN_MAX:
-            self.touch_many(range(first + n - 1, first - 1, -1))
-            return
+        desc = self._desc[RUN_MAX - n:] if n <= RUN_MAX else np.arange(n - 1, -1, -1, dtype=np.uint64)
         run = self._view[first:first + n]
-        np.maximum(run, self._desc[RUN_MAX - n:] + self.clock, out=run)
+        np.maximum(run, desc + self.clock, out=run)
         self.clock += n
 
     def pop_victim(self) -> int | None:

@@ -126,3 +126,22 @@ def test_touch_run_is_touch_many_of_the_run_head_last():
             assert list(a.stamps) == list(b.stamps) and a.clock == b.clock
         assert a.is_held(3) == b.is_held(3) == (held == 3)
         assert [a.pop_victim() for _ in range(9)] == [b.pop_victim() for _ in range(9)]
+
+
+def test_a_run_longer_than_run_max_is_touched_as_touch_many_touches_it():
+    from hisparse.daemon.eviction import RUN_MAX
+
+    n = RUN_MAX + 5  # a 16,384-key lookup of one stored chain: vectorised too, not a Python loop
+    for held in (None, 7):
+        a, b = StampLRU(n + 16), StampLRU(n + 16)
+        for lru in (a, b):
+            for page in range(n + 16):
+                lru.release(page)
+            if held is not None:
+                lru.hold(held)
+        a.touch_run(3, n)
+        b.touch_many(range(n + 2, 2, -1))
+        if held is None:
+            assert list(a.stamps) == list(b.stamps) and a.clock == b.clock
+        assert a.is_held(7) == b.is_held(7) == (held == 7)
+        assert [a.pop_victim() for _ in range(40)] == [b.pop_victim() for _ in range(40)]
