@@ -22,7 +22,9 @@ Per phase (no promotion, then promotion), on the same engine: p50/p99 of
 (blocked share), the scheduler's failed ``prepare_store`` calls, the
 arrivals that recomputed any of their held prefix (a held block that
 answered MISS), and the time from an arrival to its end (its new keys are
-asked of the cluster first: while they wait, so does the request). Ratios
+asked of the cluster first: while they wait, so does the request), in ms
+and in engine steps (the harness checks every token's KV each step, so a
+step grows longer as the decoding requests grow, whatever the tier does). Ratios
 promotion / none. Beside them, the decode daemon's own answer time: a
 separate process pings it every ``PING_EVERY_S`` (p99 and the longest
 wait, which is how long the daemon was silent at most).
@@ -107,8 +109,11 @@ class Arrivals:
         self.engine, self.held, self.every = engine, held, every
         self.added: list[str] = []
         self.steps = 0
-        self.added_at: dict[str, float] = {}
-        self.wait_s: dict[str, float] = {}  # from its arrival to its end (its one token)
+        self.added_at: dict[str, tuple[float, int]] = {}
+        # from its arrival to its end (its one token): seconds, and engine steps (a step's
+        # length grows with the decoding requests' tokens, as the harness checks them all)
+        self.wait_s: dict[str, float] = {}
+        self.wait_steps: dict[str, int] = {}
 
     def step(self) -> None:
         """One engine step; a new arrival first, every ``every`` steps, while held prefixes last."""
@@ -118,7 +123,7 @@ class Arrivals:
             i = len(self.added)
             self.added.append(f"a{i}")
             self.engine.add(self.added[-1], self.held[i] + harness.prompt(20_000 + i, NEW_TOKENS))
-            self.added_at[self.added[-1]] = time.perf_counter()
+            self.added_at[self.added[-1]] = time.perf_counter(), self.steps
         self.steps += 1
         self.engine.step()
         self.settle()
@@ -127,15 +132,19 @@ class Arrivals:
         now = time.perf_counter()
         for req_id in list(self.added_at):
             if req_id in self.engine.finished:
-                self.wait_s[req_id] = now - self.added_at.pop(req_id)
+                t0, step0 = self.added_at.pop(req_id)
+                self.wait_s[req_id], self.wait_steps[req_id] = now - t0, self.steps - step0
 
-    def waits_ms(self, req_ids: list[str]) -> str:
-        """p50 and longest time from arrival to end of ``req_ids``, in ms."""
-        waits = [self.wait_s[r] for r in req_ids]
-        return f"{percentile(waits, 50) * 1e3:.0f}/{max(waits) * 1e3:.0f}" if waits else "-"
+    def waits(self, req_ids: list[str]) -> str:
+        """p50 and longest time from arrival to end of ``req_ids``: ms, then steps."""
+        if not req_ids:
+            return "-"
+        ms, steps = [self.wait_s[r] * 1e3 for r in req_ids], [self.wait_steps[r] for r in req_ids]
+        return f"{percentile(ms, 50):.0f}/{max(ms):.0f} ms, {percentile(steps, 50):.0f}/{max(steps)}"
 
-    def p50_s(self, req_ids: list[str]) -> float:
-        return percentile([self.wait_s[r] for r in req_ids], 50) if req_ids else float("nan")
+    def p50(self, req_ids: list[str], steps: bool = False) -> float:
+        waits = self.wait_steps if steps else self.wait_s
+        return percentile([waits[r] for r in req_ids], 50) if req_ids else float("nan")
 
     def recomputed(self, req_ids: list[str]) -> int:
         """Of ``req_ids`` (finished), those that computed any token of their held prefix."""
@@ -259,18 +268,19 @@ def main(argv: list[str] | None = None) -> int:
           f"({(during_cpu0 - base_cpu0) / base_wall:.2f} CPU s/s before it); its cluster worker "
           f"{tier['get_s']:.2f} s in gets, {tier['hash_s']:.2f} s checking")
     print(f"{'':18}{'steps':>7}{'p50 ms':>9}{'p99 ms':>9}{'blocked':>9}{'failed prepare_store':>22}"
-          f"{'held prefix missed':>20}{'arrival p50/max ms':>20}{'pings':>7}{'ping p99 ms':>13}{'max ms':>9}")
+          f"{'held prefix missed':>20}{'arrival p50/max: ms, steps':>28}{'pings':>7}{'ping p99 ms':>13}{'max ms':>9}")
     rows = (("no promotion", base, base_wall, base_failed, base_arrived, base_ping),
             ("promotion", during, during_wall, during_failed, during_arrived, during_ping))
     for name, s, wall, f, came, p in rows:
         print(f"{name:18}{len(s):7}{percentile(s, 50) * 1e3:9.2f}{percentile(s, 99) * 1e3:9.2f}"
               f"{sum(s) / wall:9.3f}{f'{f[1]} of {f[0]}':>22}{f'{arrivals.recomputed(came)} of {len(came)}':>20}"
-              f"{arrivals.waits_ms(came):>20}"
+              f"{arrivals.waits(came):>28}"
               f"{len(p):7}{percentile(p, 99) * 1e3:13.2f}{max(p) * 1e3:9.2f}")
     print(f"ratio promotion/none: p99 schedule() {percentile(during, 99) / percentile(base, 99):.2f}, "
           f"blocked share {(sum(during) / during_wall) / (sum(base) / base_wall):.2f}, "
           f"daemon ping p99 {percentile(during_ping, 99) / percentile(base_ping, 99):.2f}, "
-          f"arrival p50 {arrivals.p50_s(during_arrived) / arrivals.p50_s(base_arrived):.2f}")
+          f"arrival p50 {arrivals.p50(during_arrived) / arrivals.p50(base_arrived):.2f} "
+          f"({arrivals.p50(during_arrived, True) / arrivals.p50(base_arrived, True):.2f} in steps)")
     return 0
 
 
