@@ -26,12 +26,11 @@ import textwrap
 import pytest
 
 from hisparse.cluster import mooncake
-from hisparse.daemon import cluster_promote, config
-from hisparse.daemon.main import _cluster_tier
-from hisparse.daemon.namespaces import Registry
+from hisparse.daemon import cluster_promote
 from hisparse.shm.region import RegionMap
 from hisparse.shm.table import WRITING
 from tests.cluster.conftest import requires_mooncake
+from tests.cluster.inprocess import registry_and_tier
 from tests.cluster.test_loop_calls import until
 from tests.cluster.test_two_nodes import LAYOUT, pages
 from tests.rawclient import keys_for
@@ -79,14 +78,6 @@ def test_a_timed_out_direct_get_never_lands_in_a_reused_page(master, peer, tmp_p
     monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "1")
     monkeypatch.setenv("MC_TCP_STATUS_TIMEOUT_SEC", "1")
     monkeypatch.setattr(cluster_promote, "STAGE_BYTES", 0)  # every get direct, as over RDMA
-    (tmp_path / "shm").mkdir()
-    (tmp_path / "run" / "meta").mkdir(parents=True)
-    cfg = config.build(env={}, flags={"socket": str(tmp_path / "run" / "s.sock"),
-                                      "shm_dir": str(tmp_path / "shm"), "capacity": "64MiB"})
-    registry = Registry(cfg)
-    ns = registry.get_or_create("m", LAYOUT, 8 * LAYOUT.page_bytes)
-    tier = _cluster_tier(config.ClusterConfig(backend="mooncake", master=master.address,
-                                              metadata_server=master.metadata, timeout_s=5.0))
     keys = keys_for("late-get", 4)
     mine = pages(8, 99)  # what a local writer stores into the reused pages
 
@@ -118,11 +109,8 @@ def test_a_timed_out_direct_get_never_lands_in_a_reused_page(master, peer, tmp_p
         await asyncio.sleep(0.5)
         return [region[:, page, :].tobytes() for page in held.values()]
 
-    try:
+    with registry_and_tier(master, tmp_path, 8, timeout_s=5.0) as (_, ns, tier):
         after = asyncio.run(scenario())
-    finally:
-        tier.stop()
-        registry.close()
     assert after == [page.tobytes() for page in mine], "a late get wrote into a reused page"
 
 

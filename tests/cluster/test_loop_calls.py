@@ -22,12 +22,10 @@ import pytest
 
 from hisparse.cluster import format as fmt
 from hisparse.daemon import cluster as cluster_mod
-from hisparse.daemon import config
-from hisparse.daemon.main import _cluster_tier
-from hisparse.daemon.namespaces import Registry
 from hisparse.shm.region import RegionMap
 from hisparse.shm.table import WRITING
 from tests.cluster.conftest import requires_mooncake
+from tests.cluster.inprocess import registry_and_tier
 from tests.cluster.test_two_nodes import LAYOUT, pages
 from tests.rawclient import keys_for
 
@@ -46,18 +44,8 @@ def tier_on(master, tmp_path, monkeypatch):
     """A namespace of an in-process registry and a cluster tier on the master; the worker's
     patience with the loop shortened to 0.3 s."""
     monkeypatch.setattr(cluster_mod, "LOOP_CALL_TIMEOUT_S", 0.3)
-    (tmp_path / "shm").mkdir()
-    (tmp_path / "run" / "meta").mkdir(parents=True)
-    cfg = config.build(env={}, flags={"socket": str(tmp_path / "run" / "s.sock"),
-                                      "shm_dir": str(tmp_path / "shm"), "capacity": "64MiB"})
-    registry = Registry(cfg)
-    ns = registry.get_or_create("m", LAYOUT, 64 * LAYOUT.page_bytes)
-    tier = _cluster_tier(config.ClusterConfig(
-        backend="mooncake", master=master.address, metadata_server=master.metadata,
-        segment_size_bytes=32 << 20, timeout_s=5.0))
-    yield ns, tier
-    tier.stop()
-    registry.close()
+    with registry_and_tier(master, tmp_path, 64, segment_size_bytes=32 << 20, timeout_s=5.0) as (_, ns, tier):
+        yield ns, tier
 
 
 def stall_until_the_worker_gives_up(tier) -> None:

@@ -20,11 +20,9 @@ import numpy as np
 import pytest
 
 from hisparse.cluster import format as fmt
-from hisparse.daemon import config
-from hisparse.daemon.main import _cluster_tier
-from hisparse.daemon.namespaces import Registry
 from hisparse.shm.region import RegionMap
 from tests.cluster.conftest import requires_mooncake
+from tests.cluster.inprocess import registry_and_tier
 from tests.cluster.test_loop_calls import until
 from tests.cluster.test_two_nodes import LAYOUT, pages
 from tests.rawclient import keys_for
@@ -56,18 +54,9 @@ def plant_many(store, keys: list[bytes], data: np.ndarray, namespace: str = "m",
 @pytest.fixture
 def big_tier(master, tmp_path):
     """A namespace of 8192 pages and a tier whose Mooncake calls take 1024 pages at once."""
-    (tmp_path / "shm").mkdir()
-    (tmp_path / "run" / "meta").mkdir(parents=True)
-    cfg = config.build(env={}, flags={"socket": str(tmp_path / "run" / "s.sock"),
-                                      "shm_dir": str(tmp_path / "shm"), "capacity": "64MiB"})
-    registry = Registry(cfg)
-    ns = registry.get_or_create("m", LAYOUT, 8192 * LAYOUT.page_bytes)
-    tier = _cluster_tier(config.ClusterConfig(
-        backend="mooncake", master=master.address, metadata_server=master.metadata,
-        segment_size_bytes=64 << 20, timeout_s=60.0, batch_pages=1024))
-    yield ns, tier
-    tier.stop()
-    registry.close()
+    with registry_and_tier(master, tmp_path, 8192, segment_size_bytes=64 << 20, timeout_s=60.0,
+                           batch_pages=1024) as (_, ns, tier):
+        yield ns, tier
 
 
 def test_a_large_promotion_touches_the_index_in_small_calls_and_the_loop_runs_between(big_tier, planter):

@@ -18,10 +18,9 @@ import functools
 
 import pytest
 
-from hisparse.daemon import cluster_drop, cluster_promote, config
-from hisparse.daemon.main import _cluster_tier
-from hisparse.daemon.namespaces import Registry
+from hisparse.daemon import cluster_drop, cluster_promote
 from tests.cluster.conftest import requires_mooncake
+from tests.cluster.inprocess import registry_and_tier
 from tests.cluster.test_loop_calls import until
 from tests.cluster.test_promotion_batches import plant_many
 from tests.cluster.test_two_nodes import LAYOUT, pages
@@ -37,19 +36,10 @@ ROUND = 512  # pages a round: eight rounds
 def tier_of(master, tmp_path, monkeypatch):
     """A registry with namespace "m" of 8192 pages, and a tier of 512-page rounds on it."""
     monkeypatch.setattr(cluster_promote, "ROUND_BYTES", ROUND * (LAYOUT.page_bytes + 64))
-    (tmp_path / "shm").mkdir()
-    (tmp_path / "run" / "meta").mkdir(parents=True)
-    cfg = config.build(env={}, flags={"socket": str(tmp_path / "run" / "s.sock"),
-                                      "shm_dir": str(tmp_path / "shm"), "capacity": "96MiB"})
-    registry = Registry(cfg)
-    ns = registry.get_or_create("m", LAYOUT, 8192 * LAYOUT.page_bytes)
-    tier = _cluster_tier(config.ClusterConfig(
-        backend="mooncake", master=master.address, metadata_server=master.metadata,
-        segment_size_bytes=64 << 20, timeout_s=60.0, batch_pages=256))
-    registry.on_drop = functools.partial(cluster_drop.dropped, tier)
-    yield registry, ns, tier
-    tier.stop()
-    registry.close()
+    with registry_and_tier(master, tmp_path, 8192, "96MiB", segment_size_bytes=64 << 20, timeout_s=60.0,
+                           batch_pages=256) as (registry, ns, tier):
+        registry.on_drop = functools.partial(cluster_drop.dropped, tier)
+        yield registry, ns, tier
 
 
 async def started(tier, planter, ns, keys) -> asyncio.Future:
