@@ -146,9 +146,14 @@ def nodes(daemon_factory, master):
     return make
 
 
-def cluster_state(socket_path: str) -> str:
+def cluster_stats(socket_path: str) -> dict:
+    """The daemon's cluster tier counters (``stats``' ``daemon.cluster``)."""
     ctl = Control(socket_path)
     try:
-        return str(ctl.call(Op.STATS)["daemon"]["cluster"]["state"])
+        return ctl.call(Op.STATS)["daemon"]["cluster"]
     finally:
         ctl.close()
+
+
+def cluster_state(socket_path: str) -> str:
+    return str(cluster_stats(socket_path)["state"])

@@ -9,9 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from hisparse.ctl import Control
-from hisparse.protocol import Op
-from tests.cluster.conftest import requires_mooncake, wait_for
+from tests.cluster.conftest import cluster_stats as cluster, requires_mooncake, wait_for
 from tests.cluster.test_two_nodes import LAYOUT, pages
 from tests.rawclient import RawClient, keys_for
 
@@ -21,14 +19,6 @@ pytestmark = requires_mooncake
 def maps(pid: int) -> str:
     with open(f"/proc/{pid}/maps") as f:
         return f.read()
-
-
-def cluster(socket: str) -> dict:
-    ctl = Control(socket)
-    try:
-        return ctl.call(Op.STATS)["daemon"]["cluster"]
-    finally:
-        ctl.close()
 
 
 def test_a_dropped_namespace_is_unmapped_by_the_cluster_tier(nodes):

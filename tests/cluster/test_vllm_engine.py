@@ -16,7 +16,7 @@ harness = pytest.importorskip(
     "tests.vllm.harness", reason="needs the model-less vLLM engine harness (tests/vllm/harness.py, "
     "issue 10's vllm-adapter branch)")
 
-from tests.cluster.conftest import cluster_state, requires_mooncake, wait_for  # noqa: E402
+from tests.cluster.conftest import cluster_state, cluster_stats, requires_mooncake, wait_for  # noqa: E402
 
 pytestmark = requires_mooncake
 
@@ -86,5 +86,48 @@ def test_a_long_promotion_delays_none_of_the_schedulers_calls(nodes, master):
         assert manager.stats_snapshot()["daemon_up"]
         assert engine.computed["y"] <= 40 + harness.BLOCK_SIZE  # x's blocks were held and loaded
         assert engine.mismatches == []
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_arriving_during_a_long_promotion_ends_before_the_promotion(nodes):
+    # The decode engine promotes one long prompt from the cluster (32 MiB, one item to its
+    # senders); a new request arrives meanwhile. Its blocks are nowhere, and asking the cluster
+    # about them waited behind the whole promotion (in the manager's one sender, then in the
+    # daemon's one job), the request deferred all along. Now it is answered between two rounds
+    # of the promotion, and the request ends while the promotion goes on.
+    import time
+
+    import numpy as np
+
+    from hisparse import client
+    from tests.rawclient import keys_for
+
+    a, b = nodes(2, capacity="192MiB", queue_pages="16384")
+    engine = harness.VllmEngine(b.socket, engine_id="decode-b", deadline_s=0.02, timeout_s=1.0,
+                                capacity="80MiB", num_blocks=256)
+    try:
+        manager = engine.manager
+        ns, layout = manager._ops.client.namespace, manager._ops.client.layout
+        n = (32 << 20) // layout.page_bytes
+        keys = keys_for("long-prompt", n)
+        data = np.random.default_rng(5).integers(0, 256, (n, layout.page_bytes), dtype=np.uint8)
+        with client.attach(ns, layout, socket=a.socket, capacity="80MiB", timeout_s=60) as ca:
+            assert ca.store(keys, data) == n
+            wait_for("A's write-behind", lambda: cluster_stats(a.socket)["put_pages"] >= n, timeout_s=120)
+        wait_for("the cluster probe", lambda: manager._cluster._enabled)
+        promotions = manager._cluster
+        answered = promotions.requested_keys
+        promotions._post(keys)  # as flush() hands over a long prompt's keys
+        wait_for("the promotion under way", lambda: cluster_stats(b.socket)["promoted_pages"] > 0)
+        engine.add("arrival", harness.prompt(9, 48))
+        started = time.monotonic()
+        while "arrival" not in engine.finished:
+            engine.step()
+            assert time.monotonic() - started < 60
+        assert promotions.requested_keys < answered + n, "the arrival waited for the whole promotion"
+        assert engine.mismatches == []
+        wait_for("the long prompt promoted", lambda: promotions.requested_keys >= answered + n, timeout_s=120)
+        assert cluster_stats(b.socket)["promoted_pages"] == n
     finally:
         engine.shutdown()
