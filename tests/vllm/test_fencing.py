@@ -97,7 +97,9 @@ def test_a_load_whose_hold_was_lost_copies_nothing(engines):
 
     # after the restart the keys are still committed (adopted) and load again on a new hold
     wait_until(lambda: a.manager.stats_snapshot()["held_keys"] == 0, what="the lost holds to go")
-    settled_lookups(a.manager, keys, req("m"))
+    # until the manager's background thread has the daemon back, every lookup is a MISS
+    wait_until(lambda: settled_lookups(a.manager, keys, req("m")) == [LookupResult.HIT] * 2,
+               what="the adopted keys held again")
     spec = a.manager.prepare_load(keys, req("m"))
     worker.submit_load(3, spec, device_pointers(dst, [10, 11]))
     assert run_jobs(worker, {3}) == {3: True}
