@@ -157,13 +157,13 @@ class ClusterPromotions:
     def _send(self, keys: list[bytes]) -> None:
         try:
             body, _ = self._client.request(Op.PREFETCH, timeout_s=self._wait_s, keys=keys, wait=True)
-            absent = list(body.get("missing_keys", ()))
-            self.requested_keys += len(keys)
+            absent, answered = list(body.get("missing_keys", ())), len(keys)
         except HisparseError as exc:
             log.info("cluster promotion of %d keys failed (%s); they miss", len(keys), exc)
-            absent = keys
+            absent, answered = keys, 0
         until = self._clock() + ABSENT_S
-        with self._lock:
+        with self._lock:  # the senders count together
+            self.requested_keys += answered
             for key in absent:
                 if self._pending.pop(key, None) is not None:
                     self._absent[key] = until
