@@ -381,8 +381,10 @@ class ClusterTier:
         except BaseException as exc:
             _fail(fut, WireError(ErrorCode.CLUSTER_UNAVAILABLE, f"the cluster failed during prefetch: {exc}"))
             raise
-        self._submit(lambda: self._promote(rounds, body, fut),
-                     lambda: (rounds.close(), _fail(fut, self._unavailable())))  # down by then
+        def give_up() -> None:  # the tier went down before the next round
+            rounds.close()
+            _fail(fut, self._unavailable())
+        self._submit(lambda: self._promote(rounds, body, fut), give_up)
 
 
 def _fail(fut: Future | None, exc: BaseException) -> None:

@@ -122,11 +122,12 @@ class ClusterPromotions:
                 if self._probing:
                     return
                 self._probing = True
-            if not self._senders:
-                self._senders = [threading.Thread(target=self._send_loop, daemon=True,
-                                                  name=f"hisparse-cluster-prefetch-{i}") for i in range(SENDERS)]
-                for sender in self._senders:
-                    sender.start()
+            # one sender asks whether there is a tier at all; the rest come with the first keys
+            while len(self._senders) < (1 if item is PROBE else SENDERS):
+                sender = threading.Thread(target=self._send_loop, daemon=True,
+                                          name=f"hisparse-cluster-prefetch-{len(self._senders)}")
+                sender.start()
+                self._senders.append(sender)
         self._outbox.put(item)
 
     def _send_loop(self) -> None:
