@@ -8,7 +8,11 @@ turns, so all see the same machine noise:
 - the floor: a Python process on the same uvloop and pyzmq that does only
   what no lookup server can skip. It reads the frame, decodes it with
   msgpack, looks the 64 keys up in a dict and sends a reply of the daemon's
-  shape: no validation, no session, no recency, no fairness, no limits;
+  shape: no validation, no session, no recency, no fairness, no limits but
+  the daemon's own bound on what libzmq queues per connection (``RCVHWM``,
+  2 requests: what keeps a connection's 4 MiB frames from holding more than
+  12 MiB of the daemon; ``--floor-rcvhwm 1000`` lifts it to libzmq's
+  default, to show what that bound costs any server of this protocol);
 - the echo: a ROUTER that sends the frame straight back.
 
 The ratio of hisparsed's round-trip percentiles to the echo's is what the
@@ -54,6 +58,7 @@ from benchmarks._common import percentile, running_daemon  # noqa: E402
 from hisparse import KVLayout, protocol  # noqa: E402
 from hisparse.client.fence import Fence  # noqa: E402
 from hisparse.client.transport import Transport  # noqa: E402
+from hisparse.daemon.server import RCVHWM_MESSAGES  # noqa: E402
 from hisparse.protocol import Op  # noqa: E402
 from hisparse.shm.fence import fence_dir_for  # noqa: E402
 
@@ -76,8 +81,9 @@ def echo_server(endpoint: str, ready, answer: bool = False) -> None:
     sock.close(linger=0)
 
 
-def floor_server(endpoint: str, ready, keys: list[bytes]) -> None:
-    """The least a Python lookup server does: read, decode, look up, reply (see the docstring)."""
+def floor_server(endpoint: str, ready, keys: list[bytes], rcvhwm: int) -> None:
+    """The least a Python lookup server does: read, decode, look up, reply (see the docstring);
+    ``rcvhwm``: the requests libzmq may queue per connection."""
     import asyncio
 
     import msgpack
@@ -86,6 +92,7 @@ def floor_server(endpoint: str, ready, keys: list[bytes]) -> None:
 
     index = {key: page for page, key in enumerate(keys)}
     sock = zmq.Context().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
     sock.bind(endpoint)
     recv, send = zmq.backend.Socket.recv.__get__(sock), zmq.backend.Socket.send.__get__(sock)
     get = zmq.backend.Socket.get.__get__(sock)
@@ -222,12 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inflight", default="1", help="requests in flight per client, comma-separated")
     ap.add_argument("--client", choices=("raw", "transport"), default="raw",
                     help="a bare DEALER, or the client's Transport with one thread per request")
+    ap.add_argument("--floor-rcvhwm", type=int, default=RCVHWM_MESSAGES,
+                    help="requests libzmq queues per connection in the floor (default: the daemon's; "
+                         "libzmq's own default is 1000)")
     args = ap.parse_args(argv)
     ctx = zmq.Context.instance()
     keys = [os.urandom(36) for _ in range(KEYS)]
 
     spawn = mp.get_context("spawn")
-    helpers = [("python floor", floor_server, (keys,)),
+    helpers = [("python floor", floor_server, (keys, args.floor_rcvhwm)),
                ("bare zmq echo", echo_server, (args.client == "transport",))]
     endpoints, procs = [], []
     for _, target, extra in helpers:
@@ -308,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         sock.close(linger=0)
 
     print(f"64-key lookup, {len(frame)} B frame, {args.requests} requests each per depth in "
-          f"alternating turns, one connection, ipc:// socket, {args.client} client; "
+          f"alternating turns, one connection, ipc:// socket, {args.client} client, "
+          f"floor RCVHWM {args.floor_rcvhwm} (the daemon's {RCVHWM_MESSAGES}); "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'in flight':>9} {'':18}{'p50 us':>9}{'p99 us':>10}{'req/s':>9}"
           f"{'CPU us/req: main':>18}{'others':>8}")
