@@ -44,7 +44,8 @@ def test_a_daemon_killed_mid_promotion_keeps_what_it_committed_and_frees_the_res
         seen["max"] = max(seen["max"], cb.lookup(keys))
         return 0 < seen["max"] < N
 
-    with client.attach("m", LAYOUT, socket=b.socket) as cb:
+    room = N * LAYOUT.page_bytes  # B's region holds the prompt and no more: a stranded page shows
+    with client.attach("m", LAYOUT, socket=b.socket, capacity=room) as cb:
         assert cb.prefetch(keys, wait=False)["queued"] == N
         wait_for("a round of B's promotion committed", lambda: mid_promotion(cb), timeout_s=120)
         b.kill()  # mostly inside a round (its pages WRITING), else between two: no clean-up
@@ -53,14 +54,14 @@ def test_a_daemon_killed_mid_promotion_keeps_what_it_committed_and_frees_the_res
 
     b.start()
     wait_for("B's cluster tier up again", lambda: cluster_state(b.socket) == "up")
-    with client.attach("m", LAYOUT, socket=b.socket) as cb:
+    with client.attach("m", LAYOUT, socket=b.socket, capacity=room) as cb:
         kept = cb.lookup(keys)
         # what was committed is adopted (and maybe a round more that landed before the kill) ...
         assert committed_before <= kept <= N
         ns = cb.stats()["namespaces"]["m"]
         # ... and the pages of the round being written are free, not stranded as WRITING
         assert ns["writing_pages"] == 0, ns
-        assert ns["committed_pages"] == kept, ns
+        assert ns["committed_pages"] == kept and ns["num_pages"] == N, ns
         out = np.zeros((kept, LAYOUT.page_bytes), dtype=np.uint8)
         assert cb.load(keys[:kept], out) == kept
         assert np.array_equal(out, data[:kept]), "an adopted page's bytes differ from A's"
