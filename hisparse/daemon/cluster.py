@@ -201,11 +201,7 @@ class ClusterTier:
         space = self._spaces.get(ns.name)
         if space is None or space.ns is not ns:
             if space is not None:  # the namespace was dropped and made again: forget the old one
-                space.dropped = True
-                with self._cond:
-                    self._queue = deque(e for e in self._queue if e[0] is not space)
-                    space.queued.clear()
-                # (its mapping goes with the last job still using it, never under one)
+                cluster_drop.retire(self, space)
             space = Space(ns, fmt.fingerprint(ns.name, ns.layout), RegionMap(ns.region_path, ns.geometry))
             self._spaces[ns.name] = space
         return space

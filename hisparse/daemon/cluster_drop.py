@@ -31,12 +31,21 @@ def dropped(tier: ClusterTier, ns: Namespace) -> None:
     if space is None or space.ns is not ns:
         return
     del tier._spaces[ns.name]
-    space.dropped = True  # the index calls asked of the loop now do nothing; a promotion stops
+    retire(tier, space, unmap=True)
+
+
+def retire(tier: ClusterTier, space: Space, unmap: bool = False) -> None:
+    """The loop side: ``space``'s namespace is gone (dropped, or dropped and made again). Its
+    queued puts are forgotten, the index calls asked of the loop for it do nothing, and its
+    promotion stops at the next round; with ``unmap``, the worker unmaps it before its next
+    job (else its mapping goes with the last job still using it, never under one)."""
+    space.dropped = True
     with tier._cond:
         tier._queue = deque(e for e in tier._queue if e[0] is not space)
         space.queued.clear()
-        tier._forget.append(space)
-        tier._cond.notify()
+        if unmap:
+            tier._forget.append(space)
+            tier._cond.notify()
 
 
 def forget(tier: ClusterTier, space: Space) -> None:

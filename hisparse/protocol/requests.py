@@ -18,6 +18,7 @@ from hisparse.protocol.codes import (
 from hisparse.protocol.frames import KEY_FIELDS, SHORT_BINS, unpack_request
 
 _KEYS = KEY_FIELDS[0]
+assert MIN_KEY_BYTES == 1, "_keys checks keys of a frame msgpack held to short bins only for emptiness"
 
 
 @dataclass(frozen=True)
