@@ -11,8 +11,12 @@ Both sides run in this one run, interleaved rep by rep, on the same pages:
 
 Page size is GLM-5's: 78 layers x 64 tokens x 656 B = 3,274,752 B.
 
-    python benchmarks/bandwidth.py [--device cpu|cuda] [--size 256MiB] [--reps 15]
+    python benchmarks/bandwidth.py [--device cpu|cuda] [--size 256MiB] [--reps 15] [--copy kernel]
+        [--shm-dir DIR]
     # target: ratio >= 0.8 each way
+
+On CUDA the client copies on the GPU's copy engines (one 2D copy per page);
+``--copy kernel`` measures the gather/scatter kernel it falls back to instead.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ def timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def run(device: str, size_bytes: int, reps: int, layout: KVLayout) -> dict[str, float]:
+def run(device: str, size_bytes: int, reps: int, layout: KVLayout,
+        shm_dir: str | None = None) -> dict[str, float]:
     import torch
 
     n = max(1, size_bytes // layout.page_bytes)
@@ -58,7 +63,8 @@ def run(device: str, size_bytes: int, reps: int, layout: KVLayout) -> dict[str, 
     region_pages = 3 * n  # a few reps fit, then every store evicts as much as it writes
     capacity = region_pages * layout.page_bytes
     samples: dict[str, list[float]] = {k: [] for k in ("store", "load", "copy_store", "copy_load")}
-    with start_daemon(str(capacity + (64 << 20))) as daemon:
+    extra = ("--shm-dir", shm_dir) if shm_dir else ()
+    with start_daemon(str(capacity + (64 << 20)), extra=extra) as daemon:
         with client.attach("bench/bandwidth", layout, socket=daemon.socket, capacity=capacity,
                            populate=not cuda, timeout_s=30) as c:
             print(f"bandwidth: {n} pages of {layout.page_bytes:,} B ({format_size(nbytes)}) per rep, "
@@ -87,14 +93,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--layout", default="78,64,656", help="layers,block_tokens,row_bytes")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (both sides)")
+    p.add_argument("--copy", choices=["engines", "kernel"], default="engines",
+                   help="CUDA only: the copy engines (the default path) or the fall-back kernel")
+    p.add_argument("--shm-dir", default=None,
+                   help="the daemon's region directory (default: a private one in /dev/shm); "
+                        "a hugetlbfs mount gives the region huge pages")
     args = p.parse_args(argv)
     import torch
+
+    if args.device == "cuda":
+        from hisparse.client.backends import cuda
+
+        cuda.backend_for(torch.cuda.current_device()).copy_engines = args.copy == "engines"
 
     if args.threads:
         torch.set_num_threads(args.threads)
     layout = KVLayout(*(int(x) for x in args.layout.split(",")))
-    gbps = run(args.device, parse_size(args.size), args.reps, layout)
+    gbps = run(args.device, parse_size(args.size), args.reps, layout, args.shm_dir)
     base = "pinned torch copy_" if args.device == "cuda" else "torch copy_"
+    if args.device == "cuda":
+        print(f"client copies on: {'the copy engines' if args.copy == 'engines' else 'the kernel'}")
     ratios = {"store": gbps["store"] / gbps["copy_store"], "load": gbps["load"] / gbps["copy_load"]}
     for way in ("store", "load"):
         print(f"{way:<5}  hisparse {gbps[way]:7.2f} GB/s   {base} {gbps['copy_' + way]:7.2f} GB/s   "

@@ -25,12 +25,39 @@ def c(hisparsed):
         yield cl
 
 
+@pytest.fixture(params=["engines", "engines-by-layer", "kernel"])
+def copy_path(request, c, monkeypatch):
+    """Each copy path of the backend: one 2D copy per page, per layer of a run, the kernel."""
+    backend = cuda_backend.backend_for(torch.cuda.current_device())
+    plans = []
+    real = cuda_backend.dma.plan
+
+    def recording(*args):
+        plans.append(real(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(cuda_backend.dma, "plan", recording)
+    if request.param == "kernel":
+        monkeypatch.setattr(backend, "copy_engines", False)
+    elif request.param == "engines-by-layer":  # the region's layer slab over the device's pitch
+        slab = c._session.region.geometry.num_pages * LAYOUT.layer_page_bytes
+        monkeypatch.setattr(backend, "max_pitch", slab - 1)
+    yield request.param
+    if request.param == "kernel":
+        assert not plans
+    else:
+        assert any(p is not None for p in plans)
+        if request.param == "engines":
+            assert all(p is not None and p.region_pitch == p.width * c._session.region.geometry.num_pages
+                       for p in plans)
+
+
 def gpu_pages(n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randint(0, 256, (n, LAYOUT.page_bytes), dtype=torch.uint8, device="cuda", generator=g)
 
 
-def test_cuda_store_load_round_trip_is_byte_exact(c):
+def test_cuda_store_load_round_trip_is_byte_exact(c, copy_path):
     keys = chain("gpu", 40)
     pages = gpu_pages(40)
     assert c.store(keys, pages) == 40
@@ -44,7 +71,7 @@ def test_cuda_store_load_round_trip_is_byte_exact(c):
     assert torch.equal(host, pages.cpu())
 
 
-def test_cuda_scattered_ids_and_skipped_rows(c):
+def test_cuda_scattered_ids_and_skipped_rows(c, copy_path):
     keys = chain("scatter", 30)
     pages = gpu_pages(30, seed=1)
     assert c.store(keys[::3], pages[::3]) == 10  # strided source: made contiguous
@@ -55,7 +82,7 @@ def test_cuda_scattered_ids_and_skipped_rows(c):
     assert torch.equal(out, pages[order])
 
 
-def test_cuda_unaligned_tensors(c):
+def test_cuda_unaligned_tensors(c, copy_path):
     keys = chain("odd", 5)
     pages = gpu_pages(5, seed=2)
     backing = torch.zeros(5 * LAYOUT.page_bytes + 1, dtype=torch.uint8, device="cuda")

@@ -8,12 +8,15 @@ process. A failed registration raises ``CudaError``; there is no pageable
 fall-back, because an unregistered region would make every copy silently
 half as fast.
 
-Copies use the region's device address (UVA) as a torch CUDA tensor, built
-from ``__cuda_array_interface__`` without a copy, and move arbitrary page ids
-with one ``index_copy_`` (store) or ``index_select`` (load) kernel on a
-dedicated stream that waits for the caller's current stream. Each call
-synchronizes that stream before returning: ``store`` commits and ``load``
-unpins right after, so the bytes must have landed.
+Copies run on the GPU's copy engines: one 2D copy per page (``dma.plan``),
+``cuMemcpy2DAsync`` between the tensor and the registered region, on a
+dedicated stream that waits for the caller's current stream. Where no plan
+fits (a layer slab over the device's maximum pitch and short runs of pages),
+one ``index_copy_`` (store) or ``index_select`` (load) kernel moves the pages
+through the region's device address (UVA), a torch CUDA tensor built from
+``__cuda_array_interface__`` without a copy. Each call synchronizes its
+stream before returning: ``store`` commits and ``load`` unpins right after,
+so the bytes must have landed.
 
 Every driver call goes through ``check``. Importing this module needs
 neither a GPU nor cuda-python; using it without a driver raises ``CudaError``.
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hisparse.client.backends import check_page_ids, copy_itemsize, torch_dtype
+from hisparse.client.backends import check_page_ids, copy_itemsize, dma, torch_dtype
 from hisparse.errors import HisparseError
 from hisparse.layout import format_size
 
@@ -232,6 +235,9 @@ class CudaBackend:
         self.device_index = device_index
         self._stream: torch.cuda.Stream | None = None
         self._lock = threading.Lock()
+        # False: every copy runs as a kernel (what a plan cannot cover does anyway)
+        self.copy_engines = True
+        self.max_pitch: int | None = None  # the device's, read on first use
 
     def _copy_stream(self) -> torch.cuda.Stream:
         import torch
@@ -250,34 +256,84 @@ class CudaBackend:
         pages = tensor.view(dtype).view(tensor.shape[0], g.layout.num_layers, width)
         return view, pages
 
+    def _plan(self, region: RegionMap, page_ids: np.ndarray, rows: np.ndarray) -> dma.Plan | None:
+        if not self.copy_engines:
+            return None
+        if self.max_pitch is None:
+            init_driver(self.device_index)
+            cu = driver()
+            dev = check(cu.cuDeviceGet(self.device_index), "cuDeviceGet")
+            self.max_pitch = int(check(cu.cuDeviceGetAttribute(
+                cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, dev), "cuDeviceGetAttribute"))
+        g = region.geometry
+        return dma.plan(g.layout.num_layers, g.num_pages, g.layout.layer_page_bytes, page_ids, rows,
+                        self.max_pitch)
+
+    def _run(self, plan: dma.Plan, region: RegionMap, tensor: torch.Tensor, to_region: bool,
+             stream: torch.cuda.Stream) -> None:
+        register(region, self.device_index)  # pinned: the engines copy it directly
+        init_driver(self.device_index)  # driver calls need the context current on this thread
+        issue_2d(plan, region.address, tensor.data_ptr(), to_region, stream.cuda_stream)
+
     def scatter(self, region: RegionMap, page_ids: np.ndarray, pages: torch.Tensor,
                 rows: np.ndarray) -> None:
         import torch
 
         ids = check_page_ids(page_ids, region.geometry.num_pages)
-        view, src = self._shapes(region, pages)
+        plan = self._plan(region, ids, rows)
         stream = self._copy_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device_index))
-        with torch.cuda.stream(stream):
-            dev_ids = torch.from_numpy(ids).to(pages.device, non_blocking=False)
-            if not np.array_equal(rows, np.arange(len(ids))):
-                src = src.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(pages.device))
-            elif len(ids) != src.shape[0]:
-                src = src[:len(ids)]
-            view.transpose(0, 1).index_copy_(0, dev_ids, src)
+        if plan is not None:
+            self._run(plan, region, pages, True, stream)
+        else:
+            view, src = self._shapes(region, pages)
+            with torch.cuda.stream(stream):
+                dev_ids = torch.from_numpy(ids).to(pages.device, non_blocking=False)
+                if not np.array_equal(rows, np.arange(len(ids))):
+                    src = src.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(pages.device))
+                elif len(ids) != src.shape[0]:
+                    src = src[:len(ids)]
+                view.transpose(0, 1).index_copy_(0, dev_ids, src)
         stream.synchronize()
 
     def gather(self, region: RegionMap, page_ids: np.ndarray, out: torch.Tensor) -> None:
         import torch
 
         ids = check_page_ids(page_ids, region.geometry.num_pages)
-        view, dst = self._shapes(region, out)
+        plan = self._plan(region, ids, np.arange(len(ids), dtype=np.int64))
         stream = self._copy_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device_index))
-        with torch.cuda.stream(stream):
-            dev_ids = torch.from_numpy(ids).to(out.device, non_blocking=False)
-            torch.index_select(view.transpose(0, 1), 0, dev_ids, out=dst[:len(ids)])
+        if plan is not None:
+            self._run(plan, region, out, False, stream)
+        else:
+            view, dst = self._shapes(region, out)
+            with torch.cuda.stream(stream):
+                dev_ids = torch.from_numpy(ids).to(out.device, non_blocking=False)
+                torch.index_select(view.transpose(0, 1), 0, dev_ids, out=dst[:len(ids)])
         stream.synchronize()
+
+
+def issue_2d(plan: dma.Plan, host_base: int, device_base: int, to_host: bool, stream: int) -> None:
+    """Queue a plan's 2D copies on ``stream``: ``host_base`` is the region side, page-locked."""
+    cu = driver()
+    copy = cu.CUDA_MEMCPY2D()
+    host, device = cu.CUmemorytype.CU_MEMORYTYPE_HOST, cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    if to_host:
+        copy.srcMemoryType, copy.srcPitch = device, plan.tensor_pitch
+        copy.dstMemoryType, copy.dstPitch = host, plan.region_pitch
+    else:
+        copy.srcMemoryType, copy.srcPitch = host, plan.region_pitch
+        copy.dstMemoryType, copy.dstPitch = device, plan.tensor_pitch
+    copy.WidthInBytes = plan.width
+    handle = cu.CUstream(stream)
+    for t_off, r_off, height in zip(plan.tensor_offsets.tolist(), plan.region_offsets.tolist(),
+                                    plan.heights.tolist()):
+        if to_host:
+            copy.srcDevice, copy.dstHost = device_base + t_off, host_base + r_off
+        else:
+            copy.srcHost, copy.dstDevice = host_base + r_off, device_base + t_off
+        copy.Height = height
+        check(cu.cuMemcpy2DAsync(copy, handle), "cuMemcpy2DAsync")
 
 
 _BACKENDS: dict[int, CudaBackend] = {}

@@ -1,0 +1,76 @@
+"""The copy engines' plans, checked without a GPU: each 2D copy replayed on host bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hisparse.client.backends import dma
+
+L, N, LPB = 5, 40, 24  # layers, region pages, bytes per page per layer
+PAGE = L * LPB
+
+
+def replay(plan: dma.Plan, tensor: np.ndarray, region: np.ndarray, to_region: bool) -> None:
+    """What cuMemcpy2DAsync does with each copy, on flat byte arrays."""
+    for t_off, r_off, height in zip(plan.tensor_offsets, plan.region_offsets, plan.heights):
+        for j in range(int(height)):
+            t = int(t_off) + j * plan.tensor_pitch
+            r = int(r_off) + j * plan.region_pitch
+            if to_region:
+                region[r:r + plan.width] = tensor[t:t + plan.width]
+            else:
+                tensor[t:t + plan.width] = region[r:r + plan.width]
+
+
+def layer_major(region: np.ndarray) -> np.ndarray:
+    return region.reshape(L, N, LPB)
+
+
+def check_store_and_load(ids: np.ndarray, rows: np.ndarray, max_pitch: int) -> dma.Plan:
+    rng = np.random.default_rng(len(ids))
+    pages = rng.integers(0, 256, (int(rows.max()) + 1 if len(rows) else 0, PAGE), dtype=np.uint8)
+    region = np.zeros(L * N * LPB, dtype=np.uint8)
+    plan = dma.plan(L, N, LPB, ids, rows, max_pitch)
+    assert plan is not None
+    assert plan.width <= min(plan.tensor_pitch, plan.region_pitch)
+    assert max(plan.tensor_pitch, plan.region_pitch) <= max_pitch
+    replay(plan, pages.reshape(-1), region, to_region=True)
+    want = np.zeros((L, N, LPB), dtype=np.uint8)
+    for i, p in zip(rows, ids):
+        want[:, p] = pages[i].reshape(L, LPB)
+    assert np.array_equal(layer_major(region), want)
+    # and back: a load plan (rows 0..n-1) gathers the same pages
+    out = np.zeros((len(ids), PAGE), dtype=np.uint8)
+    back = dma.plan(L, N, LPB, ids, np.arange(len(ids)), max_pitch)
+    replay(back, out.reshape(-1), region, to_region=False)
+    assert np.array_equal(out, pages[rows])
+    return plan
+
+
+def test_one_copy_per_page_when_the_layer_slab_fits_the_pitch():
+    ids = np.array([7, 3, 39, 0, 21])
+    rows = np.array([4, 0, 2, 1, 3])
+    plan = check_store_and_load(ids, rows, max_pitch=N * LPB)
+    assert len(plan) == len(ids) and set(plan.heights) == {L}
+
+
+def test_per_layer_copies_of_runs_when_the_slab_is_over_the_pitch():
+    ids = np.concatenate([np.arange(10, 22), np.arange(30, 38)])  # two runs of 12 and 8
+    rows = np.arange(len(ids))
+    plan = check_store_and_load(ids, rows, max_pitch=N * LPB - 1)
+    assert len(plan) == 2 * L and sorted(set(plan.heights)) == [8, 12]
+    assert plan.region_pitch == LPB  # a run is contiguous in each layer slab
+
+
+def test_short_runs_over_the_pitch_are_left_to_the_kernel():
+    ids = np.array([1, 5, 9, 13, 17, 20, 21])
+    assert dma.plan(L, N, LPB, ids, np.arange(len(ids)), max_pitch=N * LPB - 1) is None
+    # a page wider than the pitch cannot be a row at all
+    assert dma.plan(L, N, LPB, np.arange(8), np.arange(8), max_pitch=PAGE - 1) is None
+
+
+@pytest.mark.parametrize("max_pitch", [N * LPB, N * LPB - 1])
+def test_nothing_to_copy_is_an_empty_plan(max_pitch):
+    plan = dma.plan(L, N, LPB, np.array([], dtype=np.int64), np.array([], dtype=np.int64), max_pitch)
+    assert plan is not None and len(plan) == 0
