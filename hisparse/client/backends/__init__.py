@@ -11,8 +11,9 @@ layout (page ``p`` of layer ``l`` at ``l*N*bt*rb + p*bt*rb``):
 
 Both return only once the bytes have landed: ``store`` commits right after,
 ``load`` unpins right after. ``cpu`` copies through views of the mapping;
-``cuda`` (cuda-python) registers the mapping with the driver and runs one
-gather/scatter kernel over its device-mapped (UVA) address.
+``cuda`` (cuda-python) registers the mapping with the driver and copies on
+the GPU's copy engines, one 2D copy per page (``dma``), or where no such
+plan fits, with one gather/scatter kernel over its device-mapped (UVA) address.
 
 This module imports neither torch nor CUDA: the backends load on first use.
 """
