@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -25,9 +27,10 @@ def c(hisparsed):
         yield cl
 
 
-@pytest.fixture(params=["engines", "engines-by-layer", "kernel"])
+@pytest.fixture(params=["engines", "engines-by-layer", "engines-in-pieces", "kernel"])
 def copy_path(request, c, monkeypatch):
-    """Each copy path of the backend: one 2D copy per page, per layer of a run, the kernel."""
+    """Each copy path of the backend: one 2D copy per page, per layer of a run (cut where a
+    registration piece ends, as in a region over 64 GiB), the kernel."""
     backend = cuda_backend.backend_for(torch.cuda.current_device())
     plans = []
     real = cuda_backend.dma.plan
@@ -42,6 +45,16 @@ def copy_path(request, c, monkeypatch):
     elif request.param == "engines-by-layer":  # the region's layer slab over the device's pitch
         slab = c._session.region.geometry.num_pages * LAYOUT.layer_page_bytes
         monkeypatch.setattr(backend, "max_pitch", slab - 1)
+    elif request.param == "engines-in-pieces":  # registered as if in pieces: a cut every 5 rows
+        real_register = cuda_backend.register
+
+        def in_pieces(region, *args, **kwargs):
+            reg = real_register(region, *args, **kwargs)
+            step = 5 * LAYOUT.layer_page_bytes
+            return dataclasses.replace(reg, chunks=tuple(
+                (reg.address + off, min(step, reg.size_bytes - off)) for off in range(0, reg.size_bytes, step)))
+
+        monkeypatch.setattr(cuda_backend, "register", in_pieces)
     yield request.param
     if request.param == "kernel":
         assert not plans

@@ -74,3 +74,30 @@ def test_short_runs_over_the_pitch_are_left_to_the_kernel():
 def test_nothing_to_copy_is_an_empty_plan(max_pitch):
     plan = dma.plan(L, N, LPB, np.array([], dtype=np.int64), np.array([], dtype=np.int64), max_pitch)
     assert plan is not None and len(plan) == 0
+
+
+def test_a_region_registered_in_pieces_gets_no_copy_across_a_piece():
+    ids = np.arange(3, 33)  # one run of 30 pages
+    rows = np.arange(len(ids))
+    cuts = [7 * LPB, (N + 20) * LPB, 3 * N * LPB]  # in layer 0's run, layer 1's, at layer 3's start
+    plan = dma.plan(L, N, LPB, ids, rows, max_pitch=1 << 40, cuts=cuts)
+    assert plan is not None and plan.region_pitch == LPB
+    for start, height in zip(plan.region_offsets, plan.heights):
+        end = int(start) + int(height) * LPB
+        assert not any(int(start) < c < end for c in cuts)
+    assert len(plan) == L + 2  # two runs cut in two
+    # the bytes land as without cuts
+    pages = np.random.default_rng(3).integers(0, 256, (len(ids), PAGE), dtype=np.uint8)
+    region = np.zeros(L * N * LPB, dtype=np.uint8)
+    replay(plan, pages.reshape(-1), region, to_region=True)
+    want = np.zeros((L, N, LPB), dtype=np.uint8)
+    want[:, ids] = pages.reshape(len(ids), L, LPB).transpose(1, 0, 2)
+    assert np.array_equal(layer_major(region), want)
+
+
+def test_a_cut_inside_a_row_is_left_to_the_kernel():
+    ids = np.arange(3, 33)
+    assert dma.plan(L, N, LPB, ids, np.arange(len(ids)), max_pitch=1 << 40, cuts=[10 * LPB + 5]) is None
+    # a cut outside every copied row changes nothing
+    plan = dma.plan(L, N, LPB, ids, np.arange(len(ids)), max_pitch=1 << 40, cuts=[35 * LPB + 5])
+    assert plan is not None and len(plan) == L

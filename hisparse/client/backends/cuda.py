@@ -266,8 +266,9 @@ class CudaBackend:
             self.max_pitch = int(check(cu.cuDeviceGetAttribute(
                 cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH, dev), "cuDeviceGetAttribute"))
         g = region.geometry
+        reg = register(region, self.device_index)  # its pieces: no copy may span two
         return dma.plan(g.layout.num_layers, g.num_pages, g.layout.layer_page_bytes, page_ids, rows,
-                        self.max_pitch)
+                        self.max_pitch, [address - reg.address for address, _ in reg.chunks[1:]])
 
     def _run(self, plan: dma.Plan, region: RegionMap, tensor: torch.Tensor, to_region: bool,
              stream: torch.cuda.Stream) -> None:

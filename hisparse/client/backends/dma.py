@@ -16,11 +16,17 @@ rows of ``lpb`` bytes, tensor pitch ``L*lpb``, the region side contiguous.
 When the runs are short, that would be many tiny copies, and ``plan`` returns
 ``None``: the caller's gather/scatter kernel does better there.
 
+A region registered in several pieces (over 64 GiB, or vLLM's block-safe
+ranges) is planned the per-run way too, each copy cut where a piece ends:
+no copy spans two registrations, so every one is a DMA from one page-locked
+range. A row across a cut would need two, and the plan leaves it to the kernel.
+
 Pure numpy: the plan is testable, and tested, without a GPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,13 +58,16 @@ class Plan:
 
 
 def plan(num_layers: int, num_pages: int, layer_page_bytes: int, page_ids: np.ndarray,
-         rows: np.ndarray, max_pitch: int) -> Plan | None:
-    """The copies that move ``tensor[rows[i]]`` <-> region page ``page_ids[i]``; None: use a kernel."""
+         rows: np.ndarray, max_pitch: int, cuts: Sequence[int] = ()) -> Plan | None:
+    """The copies that move ``tensor[rows[i]]`` <-> region page ``page_ids[i]``; None: use a kernel.
+
+    ``cuts``: byte offsets in the region where one registration ends and the next begins.
+    """
     lpb, n = layer_page_bytes, len(page_ids)
     ids = np.asarray(page_ids, dtype=np.int64)
     rows = np.asarray(rows, dtype=np.int64)
     page_bytes = num_layers * lpb
-    if n == 0 or num_pages * lpb <= max_pitch:
+    if n == 0 or (not len(cuts) and num_pages * lpb <= max_pitch):
         return Plan(tensor_offsets=rows * page_bytes, region_offsets=ids * lpb,
                     heights=np.full(n, num_layers, dtype=np.int64),
                     tensor_pitch=lpb, region_pitch=num_pages * lpb, width=lpb)
@@ -70,6 +79,35 @@ def plan(num_layers: int, num_pages: int, layer_page_bytes: int, page_ids: np.nd
     # copy (run r, layer l) at index r*L + l
     tensor_offsets = (first_rows[:, None] * num_layers + layers[None, :]) * lpb
     region_offsets = (layers[None, :] * num_pages + first_pages[:, None]) * lpb
-    return Plan(tensor_offsets=tensor_offsets.reshape(-1), region_offsets=region_offsets.reshape(-1),
-                heights=np.repeat(lengths, num_layers), tensor_pitch=page_bytes, region_pitch=lpb,
-                width=lpb)
+    by_run = Plan(tensor_offsets=tensor_offsets.reshape(-1), region_offsets=region_offsets.reshape(-1),
+                  heights=np.repeat(lengths, num_layers), tensor_pitch=page_bytes, region_pitch=lpb,
+                  width=lpb)
+    return _cut(by_run, np.asarray(sorted(cuts), dtype=np.int64)) if len(cuts) else by_run
+
+
+def _cut(p: Plan, cuts: np.ndarray) -> Plan | None:
+    """A per-run plan (rows contiguous in the region) with each copy split where a cut falls
+    inside it; None when a cut falls inside a row."""
+    starts = p.region_offsets
+    ends = starts + p.heights * p.width
+    first = np.searchsorted(cuts, starts, side="right")  # the first cut after each start
+    crossing = np.flatnonzero((first < len(cuts)) & (cuts[np.minimum(first, len(cuts) - 1)] < ends))
+    if not len(crossing):
+        return p
+    t_offs, r_offs, heights = [p.tensor_offsets], [p.region_offsets], [p.heights]
+    keep = np.ones(len(p), dtype=bool)
+    keep[crossing] = False
+    for i in crossing.tolist():
+        start, end, t_off = int(starts[i]), int(ends[i]), int(p.tensor_offsets[i])
+        inside = cuts[(cuts > start) & (cuts < end)].tolist()
+        for lo, hi in zip([start, *inside], [*inside, end]):
+            if (lo - start) % p.width:
+                return None
+            row = (lo - start) // p.width
+            t_offs.append(np.array([t_off + row * p.tensor_pitch]))
+            r_offs.append(np.array([lo]))
+            heights.append(np.array([-(-(hi - lo) // p.width)]))
+    t_offs[0], r_offs[0], heights[0] = t_offs[0][keep], r_offs[0][keep], heights[0][keep]
+    return Plan(tensor_offsets=np.concatenate(t_offs), region_offsets=np.concatenate(r_offs),
+                heights=np.concatenate(heights).astype(np.int64), tensor_pitch=p.tensor_pitch,
+                region_pitch=p.region_pitch, width=p.width)
