@@ -281,36 +281,40 @@ class CudaBackend:
         import torch
 
         ids = check_page_ids(page_ids, region.geometry.num_pages)
-        plan = self._plan(region, ids, rows)
-        stream = self._copy_stream()
-        stream.wait_stream(torch.cuda.current_stream(self.device_index))
-        if plan is not None:
-            self._run(plan, region, pages, True, stream)
-        else:
-            view, src = self._shapes(region, pages)
-            with torch.cuda.stream(stream):
-                dev_ids = torch.from_numpy(ids).to(pages.device, non_blocking=False)
-                if not np.array_equal(rows, np.arange(len(ids))):
-                    src = src.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(pages.device))
-                elif len(ids) != src.shape[0]:
-                    src = src[:len(ids)]
-                view.transpose(0, 1).index_copy_(0, dev_ids, src)
-        stream.synchronize()
+
+        def kernel(slabs: torch.Tensor, src: torch.Tensor, dev_ids: torch.Tensor) -> None:
+            if not np.array_equal(rows, np.arange(len(ids))):
+                src = src.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(pages.device))
+            elif len(ids) != src.shape[0]:
+                src = src[:len(ids)]
+            slabs.index_copy_(0, dev_ids, src)
+
+        self._copy(region, ids, rows, pages, True, kernel)
 
     def gather(self, region: RegionMap, page_ids: np.ndarray, out: torch.Tensor) -> None:
         import torch
 
         ids = check_page_ids(page_ids, region.geometry.num_pages)
-        plan = self._plan(region, ids, np.arange(len(ids), dtype=np.int64))
+        self._copy(region, ids, np.arange(len(ids), dtype=np.int64), out, False,
+                   lambda slabs, dst, dev_ids: torch.index_select(slabs, 0, dev_ids, out=dst[:len(ids)]))
+
+    def _copy(self, region: RegionMap, ids: np.ndarray, rows: np.ndarray, tensor: torch.Tensor,
+              to_region: bool, kernel: Any) -> None:
+        """On the copy stream (after the caller's): the plan's 2D copies, else ``kernel(slabs
+        [pages, layers, ...] of the region's UVA view, tensor [rows, layers, ...], device ids)``;
+        returns once the bytes have landed."""
+        import torch
+
+        plan = self._plan(region, ids, rows)
         stream = self._copy_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device_index))
         if plan is not None:
-            self._run(plan, region, out, False, stream)
+            self._run(plan, region, tensor, to_region, stream)
         else:
-            view, dst = self._shapes(region, out)
+            view, shaped = self._shapes(region, tensor)
             with torch.cuda.stream(stream):
-                dev_ids = torch.from_numpy(ids).to(out.device, non_blocking=False)
-                torch.index_select(view.transpose(0, 1), 0, dev_ids, out=dst[:len(ids)])
+                kernel(view.transpose(0, 1), shaped,
+                       torch.from_numpy(ids).to(tensor.device, non_blocking=False))
         stream.synchronize()
 
 
