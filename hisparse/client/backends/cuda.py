@@ -11,8 +11,8 @@ half as fast.
 Copies run on the GPU's copy engines: one 2D copy per page (``dma.plan``),
 ``cuMemcpy2DAsync`` between the tensor and the registered region, on a
 dedicated stream that waits for the caller's current stream. Where no plan
-fits (a layer slab over the device's maximum pitch and short runs of pages),
-one ``index_copy_`` (store) or ``index_select`` (load) kernel moves the pages
+fits (copies that would be small: small pages, short runs of pages, see
+``dma``), one ``index_copy_`` (store) or ``index_select`` (load) kernel moves the pages
 through the region's device address (UVA), a torch CUDA tensor built from
 ``__cuda_array_interface__`` without a copy. Each call synchronizes its
 stream before returning: ``store`` commits and ``load`` unpins right after,
