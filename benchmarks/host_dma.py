@@ -34,6 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hisparse import KVLayout, format_size, parse_size  # noqa: E402
 from hisparse.client.backends import cuda, dma  # noqa: E402
+from hisparse.shm.region import file_size_for  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -54,8 +55,7 @@ def file_mapping(directory: str, size: int) -> mmap.mmap:
     fd, path = tempfile.mkstemp(dir=directory, prefix="host_dma.")
     try:
         os.unlink(path)
-        unit = max(os.statvfs(directory).f_bsize, mmap.PAGESIZE)
-        size = -(-size // unit) * unit
+        size = file_size_for(directory, size)  # whole huge pages on hugetlbfs
         os.ftruncate(fd, size)
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:

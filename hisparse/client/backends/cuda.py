@@ -25,6 +25,7 @@ neither a GPU nor cuda-python; using it without a driver raises ``CudaError``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -110,16 +111,22 @@ def register_chunks(address: int, size_bytes: int,
             for off in range(0, size_bytes, max_chunk_bytes)]
 
 
+_INITIALISED_PID = 0  # the process whose cuInit succeeded (a forked child must init again)
+
+
 def init_driver(device_index: int) -> None:
-    """``cuInit`` and a current context on this thread (torch's primary context)."""
+    """``cuInit`` (once a process) and a current context on this thread (torch's primary context)."""
+    global _INITIALISED_PID
     cu = driver()
-    try:
-        status = cu.cuInit(0)
-    except HisparseError:
-        raise
-    except Exception as exc:  # cuda-python raises its own types when libcuda is absent
-        raise CudaError(f"no CUDA driver: {exc}") from None
-    check(status, "cuInit")
+    if _INITIALISED_PID != os.getpid():
+        try:
+            status = cu.cuInit(0)
+        except HisparseError:
+            raise
+        except Exception as exc:  # cuda-python raises its own types when libcuda is absent
+            raise CudaError(f"no CUDA driver: {exc}") from None
+        check(status, "cuInit")
+        _INITIALISED_PID = os.getpid()
     ctx = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
     if ctx is None or int(ctx) == 0:
         dev = check(cu.cuDeviceGet(device_index), "cuDeviceGet")
@@ -272,7 +279,7 @@ class CudaBackend:
 
     def _run(self, plan: dma.Plan, region: RegionMap, tensor: torch.Tensor, to_region: bool,
              stream: torch.cuda.Stream) -> None:
-        register(region, self.device_index)  # pinned: the engines copy it directly
+        # the region is registered (``_plan`` did it): the engines copy it directly
         init_driver(self.device_index)  # driver calls need the context current on this thread
         issue_2d(plan, region.address, tensor.data_ptr(), to_region, stream.cuda_stream)
 
