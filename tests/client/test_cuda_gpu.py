@@ -151,3 +151,27 @@ def test_a_failed_registration_raises():
     with pytest.raises(cuda_backend.CudaError):
         cuda_backend.check(cu.cuMemHostRegister(4096, 4096, cu.CU_MEMHOSTREGISTER_DEVICEMAP),
                            "cuMemHostRegister")
+
+
+def test_two_threads_store_and_load_on_one_backend_at_once(c):
+    # one backend, one copy stream: each thread's bytes land whole, whatever the other does
+    import threading
+
+    results: dict[int, bool] = {}
+
+    def work(i: int) -> None:
+        keys = chain(f"thread{i}", 12)
+        pages = gpu_pages(12, seed=10 + i)
+        out = torch.zeros_like(pages)
+        for _ in range(5):
+            c.store(keys, pages)
+            assert c.load(keys, out) == 12
+            torch.cuda.synchronize()
+        results[i] = torch.equal(out, pages)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {0: True, 1: True}
