@@ -12,11 +12,14 @@ Both sides run in this one run, interleaved rep by rep, on the same pages:
 Page size is GLM-5's: 78 layers x 64 tokens x 656 B = 3,274,752 B.
 
     python benchmarks/bandwidth.py [--device cpu|cuda] [--size 256MiB] [--reps 15] [--copy kernel]
-        [--shm-dir DIR]
+        [--whole] [--shm-dir DIR]
     # target: ratio >= 0.8 each way
 
 On CUDA the client copies on the GPU's copy engines (one 2D copy per page);
 ``--copy kernel`` measures the gather/scatter kernel it falls back to instead.
+There a call of 32 MiB or more goes in pieces, its daemon requests overlapping
+the copies (``hisparse.client.pipeline``); ``--whole`` measures it in one
+piece instead, which is what the pieces gain over.
 """
 
 from __future__ import annotations
@@ -95,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (both sides)")
     p.add_argument("--copy", choices=["engines", "kernel"], default="engines",
                    help="CUDA only: the copy engines (the default path) or the fall-back kernel")
+    p.add_argument("--whole", action="store_true",
+                   help="CUDA: every call in one piece (no overlap of its daemon requests with its copies)")
     p.add_argument("--shm-dir", default=None,
                    help="the daemon's region directory (default: a private one in /dev/shm); "
                         "a hugetlbfs mount gives the region huge pages")
@@ -105,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         from hisparse.client.backends import cuda
 
         cuda.backend_for(torch.cuda.current_device()).copy_engines = args.copy == "engines"
+    if args.whole:
+        from hisparse.client import pipeline
+
+        pipeline.PIECE_BYTES = 1 << 62
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     gbps = run(args.device, parse_size(args.size), args.reps, layout, args.shm_dir)
     base = "pinned torch copy_" if args.device == "cuda" else "torch copy_"
     if args.device == "cuda":
-        print(f"client copies on: {'the copy engines' if args.copy == 'engines' else 'the kernel'}")
+        print(f"client copies on: {'the copy engines' if args.copy == 'engines' else 'the kernel'}, "
+              f"{'whole calls' if args.whole else 'large calls in pieces'}")
     ratios = {"store": gbps["store"] / gbps["copy_store"], "load": gbps["load"] / gbps["copy_load"]}
     for way in ("store", "load"):
         print(f"{way:<5}  hisparse {gbps[way]:7.2f} GB/s   {base} {gbps['copy_' + way]:7.2f} GB/s   "

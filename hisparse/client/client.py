@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hisparse.client import backends
+from hisparse.client import backends, loading
 from hisparse.client.calls import new_tag
 from hisparse.client.keys import check_keys
 from hisparse.client.pins import Pin
 from hisparse.client.results import ShortStoreWarnings, StoreResult
-from hisparse.client.session import DEFAULT_TIMEOUT_S, ClientSession, Sessions, chunks
-from hisparse.client.storing import LOST_SESSION_RETRIES, store_chunk
+from hisparse.client.session import DEFAULT_TIMEOUT_S, LOST_SESSION_RETRIES, ClientSession, Sessions, chunks
+from hisparse.client.storing import store_chunk
 from hisparse.client.transport import Transport, default_socket_path
 from hisparse.extras import require
-from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired
+from hisparse.errors import InvalidArgument, LeaseExpired
 from hisparse.layout import KVLayout, parse_size
 from hisparse.protocol import MAX_KEYS_PER_REQUEST, Op
 
@@ -244,48 +244,19 @@ class Client:
         out = backends.check_pages(out, len(keys), self.layout.page_bytes, "out", exact=False)
         if not keys:
             return 0
-        backend = backends.for_tensor(out)
         started = time.perf_counter()
-        for attempt in range(LOST_SESSION_RETRIES + 1):
-            tag = new_tag()
-            session, pinned, page_ids = self._pin_prefix(keys, tag)
-            if not pinned:
-                return 0
-            try:
-                with session.fence.use("load"):
-                    backend.gather(session.region, page_ids, out[:len(pinned)])
-                    # Lost mid-copy (lease, restart): the fence kept the pages
-                    # unchanged, but a lost hold is never trusted: copy again.
-                    session.fence.check("load")
-            except LeaseExpired:
-                if attempt == LOST_SESSION_RETRIES:
-                    raise
-                continue
-            except BaseException:
-                self._unpin_quietly(session, page_ids, tag)
-                raise
-            try:
-                self._unpin(session, page_ids, tag)
-            except LeaseExpired:
-                # The pins died with the session mid-copy: the copy is not trusted.
-                if attempt == LOST_SESSION_RETRIES:
-                    raise
-                continue
-            except BaseException:
-                self._give_back_pins(session, tag)  # the unpin may never have been sent
-                raise
-            m = len(pinned)
+        m = loading.load(self._sessions, keys, out, backends.for_tensor(out))
+        if m:
             self._count(loaded_pages=m, loaded_bytes=m * self.layout.page_bytes,
                         load_s=time.perf_counter() - started)
-            return m
-        raise AssertionError("unreachable")
+        return m
 
     def pin(self, keys: list[bytes]) -> Pin:
         """Pin the committed prefix of ``keys``; use as ``with c.pin(keys) as p:``."""
         keys = check_keys(keys, "pin")
         for attempt in range(LOST_SESSION_RETRIES + 1):
             tag = new_tag()
-            session, pinned, page_ids = self._pin_prefix(keys, tag)
+            session, pinned, page_ids = loading.pin_prefix(self._sessions, keys, tag)
             try:
                 return Pin(self._sessions, session, pinned, page_ids.tolist(), tag)
             except LeaseExpired:
@@ -294,46 +265,6 @@ class Client:
                 if attempt == LOST_SESSION_RETRIES:
                     raise
         raise AssertionError("unreachable")
-
-    def _pin_prefix(self, keys: list[bytes], tag: int) -> tuple[ClientSession, list[bytes], np.ndarray]:
-        """Pin the committed prefix, all under one session and ``tag``: (session, keys pinned,
-        page ids). A request without its reply gives back every pin of the call, by tag."""
-        for _ in range(LOST_SESSION_RETRIES + 1):
-            session: ClientSession | None = None
-            pages: list[int] = []
-            try:
-                for chunk in chunks(keys):
-                    if session is None:
-                        body, session = self._call(Op.PIN, keys=chunk, tag=tag)
-                    else:
-                        body = self._call_in(session, Op.PIN, keys=chunk, tag=tag)
-                    pages.extend(body["pages"])
-                    if int(body["count"]) < len(chunk):
-                        break
-            except LeaseExpired:
-                continue  # lost between chunks: the pins taken so far are gone, start over
-            except BaseException:
-                # Timeout, Ctrl-C: the daemon may pin later what we never learn of.
-                self._give_back_pins(session or self._sessions.session, tag)
-                raise
-            assert session is not None
-            return session, keys[:len(pages)], np.asarray(pages, dtype=np.int64)
-        raise LeaseExpired("pin: the session was lost repeatedly")
-
-    def _give_back_pins(self, session: ClientSession, tag: int) -> None:
-        self._sessions.owed.give_back(session, Op.UNPIN, wait=True, tag=tag)
-
-    def _unpin(self, session: ClientSession, page_ids: Any, tag: int | None = None) -> None:
-        self._sessions.unpin(session, page_ids, tag)
-
-    def _unpin_quietly(self, session: ClientSession, page_ids: Any, tag: int) -> None:
-        try:
-            self._unpin(session, page_ids, tag)
-        except LeaseExpired:
-            pass  # released with the session
-        except HisparseError as exc:
-            log.warning("unpin of %d pages failed (%s); given back by tag", len(page_ids), exc)
-            self._give_back_pins(session, tag)
 
     def layer_rows(self, layer: int, device: Any = None) -> torch.Tensor:
         """uint8 ``[N*block_tokens, row_bytes]``: one layer's slab of the region (no copy).

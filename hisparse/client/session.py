@@ -19,6 +19,7 @@ from typing import Any, Callable
 from hisparse.client.calls import Owed
 from hisparse.client.fence import Fence, FenceBusy
 from hisparse.client.regions import acquire_region, release_region
+from hisparse.client.pending import Pending
 from hisparse.client.transport import Transport
 from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired, ProtocolError
 from hisparse.layout import KVLayout
@@ -30,6 +31,7 @@ from hisparse.shm.region import RegionMap
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
+LOST_SESSION_RETRIES = 2  # a store, load or pin redone after its session was lost mid-way
 HELLO_TRIES = 3  # a hello whose fence another process locked first is given up for a new one
 
 
@@ -152,6 +154,15 @@ class Sessions:
                 **fields: Any) -> dict[str, Any]:
         """One request on ``session``; ``LeaseExpired`` when the daemon no longer knows it."""
         return self.transport.call(op, timeout_s or self.timeout_s, session=session.id, **fields)
+
+    def submit_in(self, session: ClientSession, op: Op, **fields: Any) -> Pending:
+        """``call_in`` without the wait: the request goes out at once; ``result(timeout_s)``
+        waits for it. Every one must be waited for or abandoned."""
+        return self.transport.submit(op, session=session.id, **fields)
+
+    def submit_all_in(self, session: ClientSession, op: Op, requests: list[dict[str, Any]]) -> list[Pending]:
+        """``submit_in`` of several requests of one op, sent together (one wake-up)."""
+        return self.transport.submit_all(op, [{"session": session.id, **fields} for fields in requests])
 
     def call(self, op: Op, timeout_s: float | None = None,
              **fields: Any) -> tuple[dict[str, Any], ClientSession]:

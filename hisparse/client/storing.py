@@ -16,15 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from hisparse.client import backends
+from hisparse.client import backends, pipeline
 from hisparse.client.calls import new_tag
-from hisparse.client.session import ClientSession, Sessions, chunks
-from hisparse.errors import LeaseExpired, Timeout
+from hisparse.client.pending import Pending
+from hisparse.client.session import LOST_SESSION_RETRIES, ClientSession, Sessions, chunks
+from hisparse.errors import HisparseError, LeaseExpired, Timeout
 from hisparse.protocol import SLOT_BUSY, SLOT_COMMITTED, Op
 
 log = logging.getLogger(__name__)
 
-LOST_SESSION_RETRIES = 2  # a store/load redone after its session was lost mid-way
 BUSY_POLL_MIN_S = 0.001
 BUSY_POLL_MAX_S = 0.05
 
@@ -32,8 +32,100 @@ BUSY_POLL_MAX_S = 0.05
 def store_chunk(sessions: Sessions, keys: list[bytes], pages: Any,
                 backend: backends.Backend) -> tuple[int, int, bool]:
     """Store one request's worth of keys: (newly written, already committed, ran out of room)."""
-    tag = new_tag()  # every reserve of this call carries it (hisparse.client.calls)
     todo = list(range(len(keys)))  # indices not yet committed by anyone, in key order
+    written = present = 0
+    full = False
+    bounds = pipeline.pieces(len(keys), sessions.layout.page_bytes) if backend.overlaps else []
+    if len(bounds) > 1:
+        written, present, full, todo = _store_pieces(sessions, keys, pages, backend, bounds)
+    if not todo:
+        return written, present, full
+    n, there, short = _store_whole(sessions, keys, pages, backend, todo)
+    return written + n, present + there, full or short
+
+
+def _store_pieces(sessions: Sessions, keys: list[bytes], pages: Any, backend: backends.Backend,
+                  bounds: list[tuple[int, int]]) -> tuple[int, int, bool, list[int]]:
+    """The first pass of a large store, in pieces (``hisparse.client.pipeline``): (written,
+    already committed, ran out of room, indices left to ``_store_whole``: keys another session
+    was writing, or every key not committed here when the session was lost)."""
+    tag = new_tag()
+    session = sessions.current()
+    reserves = sessions.submit_all_in(session, Op.RESERVE, [{"keys": keys[a:b], "tag": tag} for a, b in bounds])
+    copying: list[tuple[backends.Landing, list[int]]] = []  # queued copies, and their indices
+    commits: list[tuple[Pending, list[int]]] = []  # sent, with the indices each commits
+    present, full, busy, settled = 0, False, [], 0
+    try:
+        # The fence keeps these pages ours however long this thread stalls in the copies;
+        # the daemon refuses a commit if the lease ran out.
+        with session.fence.use("store"):
+            try:
+                for (a, b), reserve in zip(bounds, reserves):
+                    slots = reserve.result(sessions.timeout_s)["slots"]
+                    settled += 1
+                    present += sum(1 for s in slots if s == SLOT_COMMITTED)
+                    busy += [a + j for j, s in enumerate(slots) if s == SLOT_BUSY]
+                    mine = [(a + j, s) for j, s in enumerate(slots) if s >= 0]
+                    if mine:
+                        rows = [i for i, _ in mine]
+                        copying.append((backend.scatter_async(
+                            session.region, np.array([p for _, p in mine], dtype=np.int64), pages,
+                            np.array(rows, dtype=np.int64)), rows))
+                    if len(copying) > 1:  # the previous piece is committed while this one copies
+                        commits.append(_commit(sessions, session, keys, *copying.pop(0)))
+                    if len(slots) < b - a:
+                        full = True  # no room from here on: what the later pieces reserved goes back
+                        break
+                while copying:
+                    commits.append(_commit(sessions, session, keys, *copying.pop(0)))
+            finally:
+                pipeline.land(copying)  # nothing is given back while a copy into it may still run
+        committed: list[int] = []
+        for pending, chunk in commits:
+            pending.result(sessions.timeout_s)
+            committed += chunk
+    except LeaseExpired:
+        # Every reservation died with the session: what was not committed is stored again
+        # (by the whole path, which attaches again), and what is committed counts as present.
+        pipeline.abandon(reserves[settled:])
+        committed = _committed_anyway(sessions, commits)
+        return len(committed), 0, False, sorted(set(range(len(keys))) - set(committed))
+    except BaseException:
+        # Timeout, Ctrl-C, a copy that failed: give back everything this call reserved. An
+        # abort goes after every request sent before it, so it finds the late ones too.
+        pipeline.abandon(reserves[settled:] + [pending for pending, _ in commits])
+        _give_back(sessions, session, keys, tag)
+        raise
+    if settled < len(bounds):
+        pipeline.abandon(reserves[settled:])
+        _give_back(sessions, session, keys[bounds[settled][0]:], tag)
+    return len(committed), present, full, busy
+
+
+def _commit(sessions: Sessions, session: ClientSession, keys: list[bytes], landing: backends.Landing,
+            rows: list[int]) -> tuple[Pending, list[int]]:
+    """Once a piece's copy has landed: its commit, sent (not waited for)."""
+    landing.wait()
+    return sessions.submit_in(session, Op.COMMIT, keys=[keys[i] for i in rows]), rows
+
+
+def _committed_anyway(sessions: Sessions, commits: list[tuple[Pending, list[int]]]) -> list[int]:
+    """The indices whose commit the daemon answered ok (sent before the session was lost)."""
+    done: list[int] = []
+    for pending, chunk in commits:
+        try:
+            pending.result(sessions.timeout_s)
+        except HisparseError:
+            continue
+        done += chunk
+    return done
+
+
+def _store_whole(sessions: Sessions, keys: list[bytes], pages: Any, backend: backends.Backend,
+                 todo: list[int]) -> tuple[int, int, bool]:
+    """Store ``keys[i]`` for each index of ``todo`` in one reserve (then one copy, one commit),
+    waiting out keys another session is writing: (written, already committed, out of room)."""
+    tag = new_tag()  # every reserve of this call carries it (hisparse.client.calls)
     written, present, full, lost = 0, 0, False, 0
     busy_deadline = None
     poll_s = BUSY_POLL_MIN_S

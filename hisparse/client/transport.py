@@ -4,12 +4,13 @@ A ``Transport`` is shared by every thread of a client. One I/O thread owns
 the DEALER (ZeroMQ sockets are not thread-safe); a caller hands it a frame
 built by ``hisparse.protocol`` (a queue, and a wake-up pipe only while that
 thread sleeps; no lock held across the call) and waits for the reply with
-its request ``id``. Replies
-come back in any order and are matched by id, so a slow request (a waited
-cluster ``prefetch``) never delays a fast one (the scheduler's ``reserve``,
-a heartbeat). A reply nobody waits for any more is dropped. Nothing here
-knows about sessions: ``Sessions`` re-opens its session when a reply says
-``UNKNOWN_SESSION``.
+its request ``id`` (``call``), or holds the ``Pending`` that ``submit``
+returns and waits later (a large store keeps a request per piece in
+flight, ``hisparse.client.pipeline``). Replies come back in any order and
+are matched by id, so a slow request (a waited cluster ``prefetch``) never
+delays a fast one (the scheduler's ``reserve``, a heartbeat). A reply
+nobody waits for any more is dropped. Nothing here knows about sessions:
+``Sessions`` re-opens its session when a reply says ``UNKNOWN_SESSION``.
 
 Slow is not unreachable. A call that gets no reply within its timeout
 raises ``Timeout`` when the daemon answered anything else meanwhile (another
@@ -45,12 +46,14 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from hisparse import protocol
+from hisparse.client.pending import Pending
 from hisparse.errors import DaemonUnavailable, HisparseError, InvalidArgument, PermissionDenied, Timeout
 from hisparse.paths import default_socket_path  # the one rule daemon and clients share
 from hisparse.protocol import Op
@@ -104,28 +107,6 @@ def listener_problem(socket_path: str) -> HisparseError | None:
     return None
 
 
-class _Call:
-    """One request on its way: the caller waits on ``done`` (released by the I/O thread)."""
-
-    __slots__ = ("rid", "op", "frame", "done", "reply", "error", "sent_at", "resends", "abandoned")
-
-    def __init__(self, rid: int, op: Op, frame: bytes) -> None:
-        self.rid = rid
-        self.op = op
-        self.frame = frame
-        self.done = threading.Lock()
-        self.done.acquire()
-        self.reply: protocol.Reply | None = None
-        self.error: HisparseError | None = None
-        self.sent_at: float | None = None  # first send, monotonic
-        self.resends = 0
-        self.abandoned = False  # the caller gave up: a late reply is dropped
-
-    def finish(self, reply: protocol.Reply | None, error: HisparseError | None = None) -> None:
-        self.reply, self.error = reply, error
-        self.done.release()
-
-
 class Transport:
     """A DEALER connected to one daemon socket; thread-safe, many requests in flight."""
 
@@ -136,7 +117,7 @@ class Transport:
         # the daemon's logs; uniqueness within this DEALER is all that matters.
         self._ids = itertools.count(int.from_bytes(os.urandom(3), "little") + 1)
         self._closed = False
-        self._outbox: deque[_Call] = deque()
+        self._outbox: deque[Pending] = deque()
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.Lock()  # a wake-up never goes to a closed (reused) fd
         self._sleeping = False  # the I/O thread is (about to be) blocked in poll: wake it
@@ -171,32 +152,25 @@ class Transport:
         within ``timeout_s``; ``Timeout`` when it answered other requests but
         not this one; else the ``HisparseError`` that an error reply names.
         """
+        return self.submit(op, **fields).result(timeout_s)
+
+    def submit(self, op: Op, **fields: Any) -> Pending:
+        """Hand one request to the I/O thread and return at once; wait with ``result()``."""
+        return self.submit_all(op, (fields,))[0]
+
+    def submit_all(self, op: Op, requests: Sequence[dict[str, Any]]) -> list[Pending]:
+        """``submit`` of several requests of one op, in this order, with one wake-up of the
+        I/O thread: they go out together, not one per scheduling of this thread."""
         if self._closed:
             raise DaemonUnavailable(f"transport to {self.socket_path} is closed")
-        rid = next(self._ids)
-        pending = _Call(rid, op, protocol.encode_request(op, rid, **fields))
-        self._outbox.append(pending)
+        pendings = []
+        for fields in requests:
+            rid = next(self._ids)
+            pendings.append(Pending(rid, op, protocol.encode_request(op, rid, **fields), self))
+        self._outbox.extend(pendings)
         if self._sleeping:  # an awake I/O thread looks at the outbox before it sleeps again
             self._wake()
-        if not pending.done.acquire(timeout=max(timeout_s, 0.0)):
-            pending.abandoned = True
-            if not pending.done.acquire(blocking=False):  # the reply did not slip in meanwhile
-                raise self._no_reply(pending, timeout_s)
-        if pending.error is not None:
-            raise pending.error
-        assert pending.reply is not None
-        return pending.reply.result()
-
-    def _no_reply(self, pending: _Call, timeout_s: float) -> HisparseError:
-        sent_at = pending.sent_at
-        if sent_at is None:
-            return DaemonUnavailable(f"no daemon answered the connection on {self.socket_path} "
-                                     f"within {timeout_s:.3g} s ({pending.op.value} not sent)")
-        if self.heard_at > sent_at:
-            return Timeout(f"hisparsed on {self.socket_path} answers, but not {pending.op.value} "
-                           f"within {timeout_s:.3g} s")
-        return DaemonUnavailable(f"the daemon on {self.socket_path} did not answer "
-                                 f"{pending.op.value} in time (nothing heard for {timeout_s:.3g} s)")
+        return pendings
 
     def silent_s(self) -> float:
         """Seconds since the daemon last answered anything on this transport."""
@@ -222,9 +196,9 @@ class Transport:
     # -- the I/O thread: the only one that touches the sockets --
 
     def _run(self) -> None:
-        inflight: dict[int, _Call] = {}  # sent on the current connection, or waiting to be re-sent
-        unsent: list[_Call] = []  # waiting for a connection
-        lost: list[_Call] = []  # sent on a connection that dropped: re-sent on the next one
+        inflight: dict[int, Pending] = {}  # sent on the current connection, or waiting to be re-sent
+        unsent: list[Pending] = []  # waiting for a connection
+        lost: list[Pending] = []  # sent on a connection that dropped: re-sent on the next one
         probe_rid: int | None = None
         sock, monitor = self._sock, self._monitor
         poller = zmq.Poller()
@@ -276,7 +250,7 @@ class Transport:
         except BlockingIOError:
             pass
 
-    def _send(self, unsent: list[_Call], inflight: dict[int, _Call], now: float) -> list[_Call]:
+    def _send(self, unsent: list[Pending], inflight: dict[int, Pending], now: float) -> list[Pending]:
         """Send what can go out; fail at once what cannot while nothing listens."""
         for i, c in enumerate(unsent):
             if c.abandoned:
@@ -296,7 +270,7 @@ class Transport:
             inflight[c.rid] = c
         return []
 
-    def _receive(self, inflight: dict[int, _Call], probe_rid: int | None) -> int | None:
+    def _receive(self, inflight: dict[int, Pending], probe_rid: int | None) -> int | None:
         sock = self._sock
         for _ in range(_RECV_BATCH):
             try:
@@ -320,7 +294,7 @@ class Transport:
             c.finish(reply)
         return probe_rid
 
-    def _probe_if_silent(self, inflight: dict[int, _Call], probe_rid: int | None,
+    def _probe_if_silent(self, inflight: dict[int, Pending], probe_rid: int | None,
                          now: float) -> int | None:
         """Ping when a call has waited in silence: its timeout then tells slow from gone."""
         if not inflight or not self.connected or (
@@ -355,7 +329,7 @@ class Transport:
                 self.connected = True
         return dropped
 
-    def _shut(self, calls: list[_Call]) -> None:
+    def _shut(self, calls: list[Pending]) -> None:
         closed = DaemonUnavailable(f"transport to {self.socket_path} is closed")
         for c in calls + list(self._outbox):
             if not c.abandoned and c.reply is None and c.error is None:

@@ -10,6 +10,7 @@ import torch
 
 import hisparse
 from hisparse import client
+from hisparse.client import pipeline
 from hisparse.client.backends import cuda as cuda_backend
 from tests.client.engine import chain, finish, page_for, spawn
 
@@ -65,12 +66,21 @@ def copy_path(request, c, monkeypatch):
                        for p in plans)
 
 
+@pytest.fixture(params=["whole", "in-pieces"])
+def calls(request, monkeypatch):
+    """Calls whole, and in pieces of 4 pages (``hisparse.client.pipeline``): each piece's
+    copies queued on the copy stream behind the previous piece's, committed once landed."""
+    piece_bytes = 4 * LAYOUT.page_bytes if request.param == "in-pieces" else 1 << 40
+    monkeypatch.setattr(pipeline, "PIECE_BYTES", piece_bytes)
+    return request.param
+
+
 def gpu_pages(n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randint(0, 256, (n, LAYOUT.page_bytes), dtype=torch.uint8, device="cuda", generator=g)
 
 
-def test_cuda_store_load_round_trip_is_byte_exact(c, copy_path):
+def test_cuda_store_load_round_trip_is_byte_exact(c, copy_path, calls):
     keys = chain("gpu", 40)
     pages = gpu_pages(40)
     assert c.store(keys, pages) == 40
@@ -84,7 +94,7 @@ def test_cuda_store_load_round_trip_is_byte_exact(c, copy_path):
     assert torch.equal(host, pages.cpu())
 
 
-def test_cuda_scattered_ids_and_skipped_rows(c, copy_path):
+def test_cuda_scattered_ids_and_skipped_rows(c, copy_path, calls):
     keys = chain("scatter", 30)
     pages = gpu_pages(30, seed=1)
     assert c.store(keys[::3], pages[::3]) == 10  # strided source: made contiguous
@@ -153,7 +163,7 @@ def test_a_failed_registration_raises():
                            "cuMemHostRegister")
 
 
-def test_two_threads_store_and_load_on_one_backend_at_once(c):
+def test_two_threads_store_and_load_on_one_backend_at_once(c, calls):
     # one backend, one copy stream: each thread's bytes land whole, whatever the other does
     import threading
 

@@ -10,7 +10,9 @@ layout (page ``p`` of layer ``l`` at ``l*N*bt*rb + p*bt*rb``):
   (the copy inside ``load``, between pin and unpin).
 
 Both return only once the bytes have landed: ``store`` commits right after,
-``load`` unpins right after. ``cpu`` copies through views of the mapping;
+``load`` unpins right after. ``scatter_async`` and ``gather_async`` return a
+``Landing`` instead, whose ``wait()`` does: a large call keeps two pieces'
+copies queued (``hisparse.client.pipeline``). ``cpu`` copies through views of the mapping;
 ``cuda`` (cuda-python) registers the mapping with the driver and copies on
 the GPU's copy engines, one 2D copy per page (``dma``), or where no such
 plan fits, with one gather/scatter kernel over its device-mapped (UVA) address.
@@ -33,13 +35,37 @@ if TYPE_CHECKING:
     from hisparse.shm.region import RegionMap
 
 
+class Landing(Protocol):
+    """A copy on its way: ``wait()`` returns once its bytes have landed (or raises)."""
+
+    def wait(self) -> None: ...
+
+
+class Landed:
+    """A copy that was done before it was handed back (the CPU backend's)."""
+
+    def wait(self) -> None:
+        return None
+
+
+LANDED = Landed()
+
+
 class Backend(Protocol):
     name: str
+    # True when a copy leaves the host's CPU free (a GPU's copy engines): a large call then
+    # goes in pieces, its daemon requests overlapping the copies (``hisparse.client.pipeline``).
+    overlaps: bool
 
     def scatter(self, region: RegionMap, page_ids: np.ndarray, pages: torch.Tensor,
                 rows: np.ndarray) -> None: ...
 
     def gather(self, region: RegionMap, page_ids: np.ndarray, out: torch.Tensor) -> None: ...
+
+    def scatter_async(self, region: RegionMap, page_ids: np.ndarray, pages: torch.Tensor,
+                      rows: np.ndarray) -> Landing: ...
+
+    def gather_async(self, region: RegionMap, page_ids: np.ndarray, out: torch.Tensor) -> Landing: ...
 
 
 def for_tensor(tensor: Any) -> Backend:

@@ -237,6 +237,7 @@ def device_view(region: RegionMap, device_index: int, offset_bytes: int, shape: 
 
 class CudaBackend:
     name = "cuda"
+    overlaps = True  # the copy engines (or a kernel) copy while the host waits on an event
 
     def __init__(self, device_index: int) -> None:
         self.device_index = device_index
@@ -285,6 +286,13 @@ class CudaBackend:
 
     def scatter(self, region: RegionMap, page_ids: np.ndarray, pages: torch.Tensor,
                 rows: np.ndarray) -> None:
+        self.scatter_async(region, page_ids, pages, rows).wait()
+
+    def gather(self, region: RegionMap, page_ids: np.ndarray, out: torch.Tensor) -> None:
+        self.gather_async(region, page_ids, out).wait()
+
+    def scatter_async(self, region: RegionMap, page_ids: np.ndarray, pages: torch.Tensor,
+                      rows: np.ndarray) -> Copying:
         import torch
 
         ids = check_page_ids(page_ids, region.geometry.num_pages)
@@ -296,20 +304,20 @@ class CudaBackend:
                 src = src[:len(ids)]
             slabs.index_copy_(0, dev_ids, src)
 
-        self._copy(region, ids, rows, pages, True, kernel)
+        return self._copy(region, ids, rows, pages, True, kernel)
 
-    def gather(self, region: RegionMap, page_ids: np.ndarray, out: torch.Tensor) -> None:
+    def gather_async(self, region: RegionMap, page_ids: np.ndarray, out: torch.Tensor) -> Copying:
         import torch
 
         ids = check_page_ids(page_ids, region.geometry.num_pages)
-        self._copy(region, ids, np.arange(len(ids), dtype=np.int64), out, False,
-                   lambda slabs, dst, dev_ids: torch.index_select(slabs, 0, dev_ids, out=dst[:len(ids)]))
+        return self._copy(region, ids, np.arange(len(ids), dtype=np.int64), out, False,
+                          lambda slabs, dst, dev_ids: torch.index_select(slabs, 0, dev_ids, out=dst[:len(ids)]))
 
     def _copy(self, region: RegionMap, ids: np.ndarray, rows: np.ndarray, tensor: torch.Tensor,
-              to_region: bool, kernel: Any) -> None:
+              to_region: bool, kernel: Any) -> Copying:
         """On the copy stream (after the caller's): the plan's 2D copies, else ``kernel(slabs
         [pages, layers, ...] of the region's UVA view, tensor [rows, layers, ...], device ids)``;
-        returns once the bytes have landed."""
+        returns at once, with the event that tells when the bytes have landed."""
         import torch
 
         plan = self._plan(region, ids, rows)
@@ -322,7 +330,22 @@ class CudaBackend:
             with torch.cuda.stream(stream):
                 kernel(view.transpose(0, 1), shaped,
                        torch.from_numpy(ids).to(tensor.device, non_blocking=False))
-        stream.synchronize()
+        return Copying(stream)
+
+
+class Copying:
+    """Copies queued on the copy stream: ``wait()`` returns once they have landed."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        import torch
+
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+
+    def wait(self) -> None:
+        self._event.synchronize()  # without the GIL: the transport's thread reads replies meanwhile
 
 
 def issue_2d(plan: dma.Plan, host_base: int, device_base: int, to_host: bool, stream: int) -> None:

@@ -1,0 +1,80 @@
+"""One request on its way through a ``Transport``: queued, sent, answered, or given up.
+
+``Transport.submit`` returns a ``Pending`` at once; ``result()`` waits for the
+reply and returns its ``ok`` body or raises. ``Transport.call`` is the two in
+one. A caller that keeps several requests of one call in flight (a large
+``store`` or ``load`` overlapping its copies with the daemon's work) holds
+several, and must either wait for each or ``abandon`` it: an abandoned
+request's reply is dropped when it comes, and nothing waits for it.
+
+Which error a wait without a reply raises tells slow from gone:
+``DaemonUnavailable`` when the request never went out or the daemon answered
+nothing at all meanwhile, ``Timeout`` when it answered other requests but
+not this one.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from hisparse.errors import DaemonUnavailable, HisparseError, Timeout
+
+if TYPE_CHECKING:
+    from hisparse import protocol
+    from hisparse.client.transport import Transport
+    from hisparse.protocol import Op
+
+
+class Pending:
+    """A request handed to the transport's I/O thread; ``done`` is released with its answer."""
+
+    __slots__ = ("rid", "op", "frame", "done", "reply", "error", "sent_at", "resends", "abandoned",
+                 "_transport")
+
+    def __init__(self, rid: int, op: Op, frame: bytes, transport: Transport) -> None:
+        self.rid = rid
+        self.op = op
+        self.frame = frame
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.reply: protocol.Reply | None = None
+        self.error: HisparseError | None = None
+        self.sent_at: float | None = None  # first send, monotonic
+        self.resends = 0
+        self.abandoned = False  # the caller gave up: a late reply is dropped
+        self._transport = transport  # its heard_at tells slow from gone
+
+    def finish(self, reply: protocol.Reply | None, error: HisparseError | None = None) -> None:
+        """The I/O thread's answer: a reply, or the error that ends the wait."""
+        self.reply, self.error = reply, error
+        self.done.release()
+
+    def result(self, timeout_s: float) -> dict[str, Any]:
+        """Wait up to ``timeout_s`` for the reply and return its ``ok`` body; else raise (the
+        reply's error, or ``Timeout`` / ``DaemonUnavailable``, see the module). Once answered,
+        another call returns (or raises) the same at once."""
+        if not self.done.acquire(timeout=max(timeout_s, 0.0)):
+            self.abandoned = True
+            if not self.done.acquire(blocking=False):  # the reply did not slip in meanwhile
+                raise self._no_reply(timeout_s)
+        self.done.release()  # answered for good: a second wait does not wait
+        if self.error is not None:
+            raise self.error
+        assert self.reply is not None
+        return self.reply.result()
+
+    def abandon(self) -> None:
+        """Nobody will wait for this one: its reply, if any comes, is dropped."""
+        self.abandoned = True
+
+    def _no_reply(self, timeout_s: float) -> HisparseError:
+        sent_at, where = self.sent_at, self._transport.socket_path
+        if sent_at is None:
+            return DaemonUnavailable(f"no daemon answered the connection on {where} "
+                                     f"within {timeout_s:.3g} s ({self.op.value} not sent)")
+        if self._transport.heard_at > sent_at:
+            return Timeout(f"hisparsed on {where} answers, but not {self.op.value} "
+                           f"within {timeout_s:.3g} s")
+        return DaemonUnavailable(f"the daemon on {where} did not answer "
+                                 f"{self.op.value} in time (nothing heard for {timeout_s:.3g} s)")
