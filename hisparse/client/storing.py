@@ -86,7 +86,7 @@ def _store_pieces(sessions: Sessions, keys: list[bytes], pages: Any, backend: ba
             committed += chunk
     except LeaseExpired:
         # Every reservation died with the session: what was not committed is stored again
-        # (by the whole path, which attaches again), and what is committed counts as present.
+        # (by the whole path, which attaches again); what was committed counts as written.
         pipeline.abandon(reserves[settled:])
         committed = _committed_anyway(sessions, commits)
         return len(committed), 0, False, sorted(set(range(len(keys))) - set(committed))

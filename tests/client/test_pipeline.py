@@ -193,7 +193,9 @@ def test_a_call_whose_daemon_restarts_mid_copy_finishes_on_the_new_session(daemo
     with attach(d.socket) as c:
         if call == "load":
             c.store(keys, pages)
-        backend.gate_at = backend.copies + 1  # the second piece's copy waits
+        # The first piece's copy waits: by then every request of the call is sent, and the call
+        # sends nothing more until it lands (a request sent while no daemon listens fails at once).
+        backend.gate_at = backend.copies
         out = np.zeros((16, PB), dtype=np.uint8)
         done: dict[str, Any] = {}
 
