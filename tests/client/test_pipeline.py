@@ -246,3 +246,30 @@ def test_nothing_is_given_back_while_a_copy_into_it_is_still_in_flight(hisparsed
         t.join(30)
         assert isinstance(failed.get("error"), RuntimeError), failed
         assert ns_stats(hisparsed.socket)["writing_pages"] == 0
+
+
+def test_two_writers_of_one_chain_in_pieces_each_see_it_stored_once(hisparsed, piecewise):
+    # TP ranks store the same chain at once: keys the other is writing are waited for (its
+    # commit makes them present here), never written twice, never lost
+    backend, sent = piecewise
+    keys = chain("two-writers", 16)
+    pages = pages_for(keys, PB)
+    with attach(hisparsed.socket) as a, attach(hisparsed.socket) as b:
+        backend.gate_at = backend.copies  # a's first copy waits: b meets a's reservations
+        results: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: results.update(a=a.store(keys, pages)))
+        t.start()
+        assert backend.entered.wait(30)
+        wait_for(lambda: ns_stats(hisparsed.socket)["writing_pages"] == 16, "a's reservations")
+        other = threading.Thread(target=lambda: results.update(b=b.store(keys, pages)))
+        other.start()
+        wait_for(lambda: sum(op is Op.RESERVE for op, _, _ in sent) == 8, "b's reserves")
+        backend.gate.set()
+        t.join(30)
+        other.join(30)
+        a_result, b_result = results["a"], results["b"]
+        assert int(a_result) + int(b_result) == 16 and a_result.present + b_result.present == 16, results
+        assert int(a_result) == 16 and b_result.not_stored == 0
+        out = np.zeros((16, PB), dtype=np.uint8)
+        assert b.load(keys, out) == 16 and bad_pages(keys, out, PB) == []
+    assert ns_stats(hisparsed.socket)["writing_pages"] == 0
