@@ -32,3 +32,18 @@ def test_bandwidth_benchmark_runs_and_prints_its_ratio():
     assert done.returncode == 0, done.stderr
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("ratio store ") and " load " in last, done.stdout
+
+
+def test_pieces_benchmark_runs_both_ways_and_prints_its_ratio():
+    import re
+    import subprocess
+    import sys
+
+    from tests.client.engine import REPO
+
+    done = subprocess.run([sys.executable, "benchmarks/pieces.py", "--size", "40MiB", "--reps", "2",
+                           "--layout", "8,64,656"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert re.search(r", [2-8] pieces,", lines[0]), lines[0]  # 40 MiB: the call went in pieces
+    assert lines[-1].startswith("ratio whole/pieces: store ") and " load " in lines[-1], done.stdout
