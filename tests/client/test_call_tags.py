@@ -36,7 +36,9 @@ def ns_stats(socket: str) -> dict[str, Any]:
     c = RawClient(socket)
     try:
         c.hello()
-        return c.call(Op.STATS)["namespaces"].get(NS, {})
+        stats = c.call(Op.STATS)["namespaces"].get(NS, {})
+        c.call(Op.BYE)  # a poll of many of these must not hold a session each until its lease ends
+        return stats
     finally:
         c.close()
 

@@ -13,6 +13,7 @@ pages whose copy has landed, and a call that survives its session.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -24,6 +25,7 @@ from hisparse import client
 from hisparse.client import backends, pipeline
 from hisparse.client.backends import cpu
 from hisparse.client.session import Sessions
+from hisparse.daemon.server import REAP_INTERVAL_S
 from hisparse.protocol import Op
 from tests.client.engine import bad_pages, chain, pages_for
 from tests.client.test_call_tags import ns_stats
@@ -273,3 +275,39 @@ def test_two_writers_of_one_chain_in_pieces_each_see_it_stored_once(hisparsed, p
         out = np.zeros((16, PB), dtype=np.uint8)
         assert b.load(keys, out) == 16 and bad_pages(keys, out, PB) == []
     assert ns_stats(hisparsed.socket)["writing_pages"] == 0
+
+
+def test_a_writer_stalled_past_its_lease_mid_copy_never_lands_in_anothers_pages(daemon_factory, piecewise,
+                                                                               monkeypatch):
+    # The writer's heartbeats stop (a stalled process) while its first piece still copies: its
+    # lease ends, and another of its threads attaches again; its pages stay fenced while the copy
+    # runs, another writer gets only free pages, the store finishes on the new session, and no
+    # page holds another's bytes
+    backend, _ = piecewise
+    d = daemon_factory(lease_ttl=1.0, extra=QUOTAS_OFF)
+    a_keys, b_keys = chain("stalled-a", 16), chain("stalled-b", 32)
+    a_pages = pages_for(a_keys, PB)
+    monkeypatch.setattr(backends, "for_tensor", lambda t: backend if t is a_pages else cpu.BACKEND)
+    with attach(d.socket, pages=32) as a, attach(d.socket, pages=32) as b:
+        backend.gate_at = backend.copies
+        done: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: done.update(n=a.store(a_keys, a_pages)))
+        t.start()
+        assert backend.entered.wait(30)
+        wait_for(lambda: ns_stats(d.socket)["writing_pages"] == 16, "a's reservations")
+        a._sessions._stop.set()  # its heartbeat thread ends: the lease runs out
+        wait_for(lambda: ns_stats(d.socket)["fenced_pages"] == 16, "a's lease to end, its pages fenced")
+        assert a.lookup(a_keys) == 0  # another thread of a's attaches again: the old fence retires
+        time.sleep(5 * REAP_INTERVAL_S)  # the daemon's reaper would have freed them by now
+        assert ns_stats(d.socket)["fenced_pages"] == 16, "a retired fence let go of pages still copied into"
+        assert b.store(b_keys, pages_for(b_keys, PB)) == 16  # the free half only
+        backend.gate.set()  # a's copy lands in its own fenced pages
+        t.join(30)
+        assert "n" in done, "the store did not finish"
+        out = np.zeros((32, PB), dtype=np.uint8)
+        got_b = b.load(b_keys, out)
+        assert bad_pages(b_keys[:got_b], out, PB) == [], "b's pages hold a's bytes"
+        got_a = a.load(a_keys, out)
+        assert got_a == a.lookup(a_keys) and bad_pages(a_keys[:got_a], out, PB) == []
+    wait_for(lambda: ns_stats(d.socket)["fenced_pages"] == 0, "the fence let go")
+    assert ns_stats(d.socket)["writing_pages"] == 0
