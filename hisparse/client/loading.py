@@ -67,7 +67,7 @@ def _load_whole(sessions: Sessions, keys: list[bytes], out: Any, backend: backen
     return len(pinned)
 
 
-def _load_pieces(sessions: Sessions, keys: list[bytes], out: Any, backend: backends.Backend,
+def _load_pieces(sessions: Sessions, keys: list[bytes], out: Any, backend: backends.OverlappingBackend,
                  bounds: list[tuple[int, int]]) -> int:
     """Every piece's pin sent at once; each piece's copy queued as its pins come in, and
     unpinned once it has landed, while the next one copies. Stops where the prefix ends."""

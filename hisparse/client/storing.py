@@ -44,7 +44,7 @@ def store_chunk(sessions: Sessions, keys: list[bytes], pages: Any,
     return written + n, present + there, full or short
 
 
-def _store_pieces(sessions: Sessions, keys: list[bytes], pages: Any, backend: backends.Backend,
+def _store_pieces(sessions: Sessions, keys: list[bytes], pages: Any, backend: backends.OverlappingBackend,
                   bounds: list[tuple[int, int]]) -> tuple[int, int, bool, list[int]]:
     """The first pass of a large store, in pieces (``hisparse.client.pipeline``): (written,
     already committed, ran out of room, indices left to ``_store_whole``: keys another session

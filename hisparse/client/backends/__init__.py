@@ -10,12 +10,15 @@ layout (page ``p`` of layer ``l`` at ``l*N*bt*rb + p*bt*rb``):
   (the copy inside ``load``, between pin and unpin).
 
 Both return only once the bytes have landed: ``store`` commits right after,
-``load`` unpins right after. ``scatter_async`` and ``gather_async`` return a
-``Landing`` instead, whose ``wait()`` does: a large call keeps two pieces'
-copies queued (``hisparse.client.pipeline``). ``cpu`` copies through views of the mapping;
-``cuda`` (cuda-python) registers the mapping with the driver and copies on
-the GPU's copy engines, one 2D copy per page (``dma``), or where no such
-plan fits, with one gather/scatter kernel over its device-mapped (UVA) address.
+``load`` unpins right after. A backend whose copies leave the host's CPU
+free (``overlaps``) also has ``scatter_async`` and ``gather_async``, which
+return a ``Landing`` whose ``wait()`` does: a large call keeps two pieces'
+copies queued (``hisparse.client.pipeline``).
+
+``cpu`` copies through views of the mapping; ``cuda`` (cuda-python)
+registers the mapping with the driver and copies on the GPU's copy engines,
+one 2D copy per page (``dma``), or where no such plan fits, with one
+gather/scatter kernel over its device-mapped (UVA) address.
 
 This module imports neither torch nor CUDA: the backends load on first use.
 """
@@ -41,26 +44,21 @@ class Landing(Protocol):
     def wait(self) -> None: ...
 
 
-class Landed:
-    """A copy that was done before it was handed back (the CPU backend's)."""
-
-    def wait(self) -> None:
-        return None
-
-
-LANDED = Landed()
-
-
 class Backend(Protocol):
     name: str
     # True when a copy leaves the host's CPU free (a GPU's copy engines): a large call then
-    # goes in pieces, its daemon requests overlapping the copies (``hisparse.client.pipeline``).
+    # goes in pieces, its daemon requests overlapping the copies (``hisparse.client.pipeline``);
+    # such a backend is an ``OverlappingBackend``.
     overlaps: bool
 
     def scatter(self, region: RegionMap, page_ids: np.ndarray, pages: torch.Tensor,
                 rows: np.ndarray) -> None: ...
 
     def gather(self, region: RegionMap, page_ids: np.ndarray, out: torch.Tensor) -> None: ...
+
+
+class OverlappingBackend(Backend, Protocol):
+    """A backend with ``overlaps`` true: its copies can be queued and waited for later."""
 
     def scatter_async(self, region: RegionMap, page_ids: np.ndarray, pages: torch.Tensor,
                       rows: np.ndarray) -> Landing: ...

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hisparse.client.backends import LANDED, Landed, check_page_ids, copy_itemsize, runs, torch_dtype
+from hisparse.client.backends import check_page_ids, copy_itemsize, runs, torch_dtype
 
 if TYPE_CHECKING:
     from hisparse.shm.region import RegionMap
@@ -85,15 +85,6 @@ class CpuBackend:
             block = dst[row:row + k]
             _copy(block.transpose(1, 0, 2) if isinstance(block, np.ndarray) else block.transpose(0, 1),
                   view[:, page:page + k, :])
-
-    def scatter_async(self, region: RegionMap, page_ids: np.ndarray, pages: Pages,
-                      rows: np.ndarray) -> Landed:
-        self.scatter(region, page_ids, pages, rows)
-        return LANDED
-
-    def gather_async(self, region: RegionMap, page_ids: np.ndarray, out: Pages) -> Landed:
-        self.gather(region, page_ids, out)
-        return LANDED
 
 
 def _copy(dst: Any, src: Any) -> None:
