@@ -329,12 +329,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{percentile(out, 99) * 1e6:10.1f}{rate:9.0f}{main_s * 1e6:18.1f}{others_s * 1e6:8.1f}")
         echo = rows[-1]
         for i, row in enumerate(rows[:-1]):
-            print(f"{depth:9} ratio {short[i]}/echo: " + _ratios(row, echo, targets=i == 0))
-        print(f"{depth:9} ratio hisparsed/floor: " + _ratios(rows[0], rows[1], targets=False))
+            print(f"{depth:9} ratio {short[i]}/echo: " + ratios(row, echo, targets=i == 0))
+        print(f"{depth:9} ratio hisparsed/floor: " + ratios(rows[0], rows[1], targets=False))
     return 0
 
 
-def _ratios(ours: tuple, base: tuple, targets: bool) -> str:
+def ratios(ours: tuple, base: tuple, targets: bool) -> str:
     """p50, p99, saturation and main-thread CPU of one server's row against another's."""
     (ours_s, ours_rate, ours_cpu), (base_s, base_rate, base_cpu) = ours, base
     p50 = percentile(ours_s, 50) / percentile(base_s, 50)

@@ -47,3 +47,39 @@ def test_pieces_benchmark_runs_both_ways_and_prints_its_ratio():
     lines = done.stdout.strip().splitlines()
     assert re.search(r", [2-8] pieces,", lines[0]), lines[0]  # 40 MiB: the call went in pieces
     assert lines[-1].startswith("ratio whole/pieces: store ") and " load " in lines[-1], done.stdout
+
+
+def test_rpc_processes_benchmark_runs_and_prints_its_ratios():
+    import subprocess
+    import sys
+
+    from tests.client.engine import REPO
+
+    done = subprocess.run([sys.executable, "benchmarks/rpc_processes.py", "--processes", "2",
+                           "--requests", "200", "--batch", "20"],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    rows = {line.split()[1]: line.split() for line in lines if line.split()[0] == "2"}
+    assert {"hisparsed", "python", "bare", "ratio"} <= set(rows), done.stdout
+    # every server answered all 2 x 200 lookups: its rate is a positive number
+    assert all(float(line.split()[-3]) > 0 for line in lines[2:5]), done.stdout
+    assert any(line.startswith("        2 ratio hisparsed/echo: p50 ") for line in lines), done.stdout
+
+
+def test_loop_stages_benchmark_times_every_stage_of_the_live_loop():
+    import subprocess
+    import sys
+
+    from tests.client.engine import REPO
+
+    done = subprocess.run([sys.executable, "benchmarks/loop_stages.py", "--requests", "500",
+                           "--inflight", "1,4"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line.split() for line in done.stdout.strip().splitlines()[2:10]}
+    assert set(rows) == {"read", "queue", "decode", "lookup", "encode", "dispatch", "send", "loop"}
+    # each stage was timed in the live daemon at both depths: a positive time per request
+    for stage in ("read", "decode", "lookup", "encode", "dispatch", "send"):
+        warm, one, _, four, _ = map(float, rows[stage][1:])
+        assert warm > 0 and one > 0 and four > 0, done.stdout
+    assert float(rows["loop"][1]) >= float(rows["dispatch"][2]) > float(rows["decode"][2]), done.stdout
