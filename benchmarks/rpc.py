@@ -127,6 +127,31 @@ def floor_server(endpoint: str, ready, keys: list[bytes], rcvhwm: int) -> None:
     sock.close(linger=0)
 
 
+def start_baselines(keys: list[bytes], floor_rcvhwm: int, answer: bool = False
+                    ) -> tuple[list[str], list[str], list[mp.Process]]:
+    """The floor and the echo, each in a process of its own: the names of every server's
+    row (hisparsed's first), and the baselines' endpoints and processes."""
+    spawn = mp.get_context("spawn")
+    helpers = [("python floor", floor_server, (keys, floor_rcvhwm)), ("bare zmq echo", echo_server, (answer,))]
+    endpoints, procs = [], []
+    for _, target, extra in helpers:
+        endpoints.append("ipc://" + os.path.join(tempfile.mkdtemp(), "server.sock"))
+        ready = spawn.Event()
+        procs.append(spawn.Process(target=target, args=(endpoints[-1], ready, *extra)))
+        procs[-1].start()
+        ready.wait(30)
+    return ["hisparsed lookup", *(name for name, _, _ in helpers)], endpoints, procs
+
+
+def stop_baselines(endpoints: list[str], procs: list[mp.Process]) -> None:
+    for endpoint, proc in zip(endpoints, procs):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(endpoint)
+        sock.send(b"stop")
+        proc.join(10)
+        sock.close(linger=0)
+
+
 class Callers:
     """``depth`` threads sharing one ``Transport``, each making lookups in turn."""
 
@@ -236,16 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context.instance()
     keys = [os.urandom(36) for _ in range(KEYS)]
 
-    spawn = mp.get_context("spawn")
-    helpers = [("python floor", floor_server, (keys, args.floor_rcvhwm)),
-               ("bare zmq echo", echo_server, (args.client == "transport",))]
-    endpoints, procs = [], []
-    for _, target, extra in helpers:
-        endpoints.append("ipc://" + os.path.join(tempfile.mkdtemp(), "server.sock"))
-        ready = spawn.Event()
-        procs.append(spawn.Process(target=target, args=(endpoints[-1], ready, *extra)))
-        procs[-1].start()
-        ready.wait(30)
+    names, endpoints, procs = start_baselines(keys, args.floor_rcvhwm, answer=args.client == "transport")
     with running_daemon("512MiB") as path:
         ours_sock = ctx.socket(zmq.DEALER)
         ours_sock.connect("ipc://" + path)
@@ -280,8 +296,6 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(1000):
                     t.call(Op.LOOKUP, 10.0, session=session, keys=keys)  # warm up
         # Short alternating turns: all see the same noise of this shared machine.
-        names = ["hisparsed lookup", *(name for name, _, _ in helpers)]
-        short = ["hisparsed", *(name.split()[-1] for name, _, _ in helpers)]  # echo, floor
         runs = {}
         for depth in [int(d) for d in args.inflight.split(",")]:
             samples: list[list[float]] = [[] for _ in names]
@@ -312,26 +326,32 @@ def main(argv: list[str] | None = None) -> int:
             for t in transports:
                 t.close()
         fence.retire()
-    for sock, proc in zip(socks[1:], procs):
-        sock.send(b"stop")
-        proc.join(10)
+    for sock in socks[1:]:
         sock.close(linger=0)
+    stop_baselines(endpoints, procs)
 
     print(f"64-key lookup, {len(frame)} B frame, {args.requests} requests each per depth in "
           f"alternating turns, one connection, ipc:// socket, {args.client} client, "
           f"floor RCVHWM {args.floor_rcvhwm} (the daemon's {RCVHWM_MESSAGES}); "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'in flight':>9} {'':18}{'p50 us':>9}{'p99 us':>10}{'req/s':>9}"
+    print_table("in flight", runs, names)
+    return 0
+
+
+def print_table(column: str, runs: dict[int, list], names: list[str]) -> None:
+    """Per depth (or other count, named by ``column``): each server's row, in ``names``'
+    order (hisparsed, the floor, the echo), then its ratios against the echo and the floor."""
+    short = [name.split()[0] if i == 0 else name.split()[-1] for i, name in enumerate(names)]
+    print(f"{column:>9} {'':18}{'p50 us':>9}{'p99 us':>10}{'req/s':>9}"
           f"{'CPU us/req: main':>18}{'others':>8}")
-    for depth, rows in runs.items():
+    for count, rows in runs.items():
         for name, (out, rate, (main_s, others_s)) in zip(names, rows):
-            print(f"{depth:9} {name:18}{percentile(out, 50) * 1e6:9.1f}"
+            print(f"{count:9} {name:18}{percentile(out, 50) * 1e6:9.1f}"
                   f"{percentile(out, 99) * 1e6:10.1f}{rate:9.0f}{main_s * 1e6:18.1f}{others_s * 1e6:8.1f}")
         echo = rows[-1]
         for i, row in enumerate(rows[:-1]):
-            print(f"{depth:9} ratio {short[i]}/echo: " + ratios(row, echo, targets=i == 0))
-        print(f"{depth:9} ratio hisparsed/floor: " + ratios(rows[0], rows[1], targets=False))
-    return 0
+            print(f"{count:9} ratio {short[i]}/echo: " + ratios(row, echo, targets=i == 0))
+        print(f"{count:9} ratio {short[0]}/{short[1]}: " + ratios(rows[0], rows[1], targets=False))
 
 
 def ratios(ours: tuple, base: tuple, targets: bool) -> str:

@@ -24,15 +24,15 @@ import argparse
 import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
 
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import percentile, running_daemon  # noqa: E402
-from benchmarks.rpc import (KEYS, call, cpu_s, echo_server, floor_server,  # noqa: E402
-                            ratios, round_trips)
+from benchmarks._common import running_daemon  # noqa: E402
+from benchmarks.rpc import (KEYS, call, cpu_s,  # noqa: E402
+                            print_table, round_trips, start_baselines,
+                            stop_baselines)
 from hisparse import KVLayout, protocol  # noqa: E402
 from hisparse.client.fence import Fence  # noqa: E402
 from hisparse.daemon.server import RCVHWM_MESSAGES  # noqa: E402
@@ -107,15 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     keys = [os.urandom(36) for _ in range(KEYS)]
     spawn = mp.get_context("spawn")
-    helpers = [("python floor", floor_server, (keys, RCVHWM_MESSAGES)), ("bare zmq echo", echo_server, ())]
-    endpoints, servers = [], []
-    for _, target, extra in helpers:
-        endpoints.append("ipc://" + os.path.join(tempfile.mkdtemp(), "server.sock"))
-        ready = spawn.Event()
-        servers.append(spawn.Process(target=target, args=(endpoints[-1], ready, *extra)))
-        servers[-1].start()
-        ready.wait(30)
-    names = ["hisparsed lookup", *(name for name, _, _ in helpers)]
+    names, endpoints, servers = start_baselines(keys, RCVHWM_MESSAGES)
     runs = {}
     with running_daemon("512MiB") as path:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -146,26 +138,13 @@ def main(argv: list[str] | None = None) -> int:
                            for out, spent, pair in zip(samples, busy, cpu)]
         sock.close(linger=0)
         fence.retire()
-    for endpoint, proc in zip(endpoints, servers):
-        stop = zmq.Context.instance().socket(zmq.DEALER)
-        stop.connect(endpoint)
-        stop.send(b"stop")
-        proc.join(10)
-        stop.close(linger=0)
+    stop_baselines(endpoints, servers)
 
     print(f"64-key lookup, {len(protocol.encode_request(Op.LOOKUP, 7, session=1, keys=keys))} B frame, "
           f"{args.requests} requests each per count in alternating turns of {args.batch} per process, "
           f"one connection and one request in flight per process, ipc:// socket, floor RCVHWM "
           f"{RCVHWM_MESSAGES}; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'processes':>9} {'':18}{'p50 us':>9}{'p99 us':>10}{'req/s':>9}"
-          f"{'CPU us/req: main':>18}{'others':>8}")
-    for count, rows in runs.items():
-        for name, (out, rate, (main_s, others_s)) in zip(names, rows):
-            print(f"{count:9} {name:18}{percentile(out, 50) * 1e6:9.1f}"
-                  f"{percentile(out, 99) * 1e6:10.1f}{rate:9.0f}{main_s * 1e6:18.1f}{others_s * 1e6:8.1f}")
-        print(f"{count:9} ratio hisparsed/echo: " + ratios(rows[0], rows[2], targets=True))
-        print(f"{count:9} ratio floor/echo: " + ratios(rows[1], rows[2], targets=False))
-        print(f"{count:9} ratio hisparsed/floor: " + ratios(rows[0], rows[1], targets=False))
+    print_table("processes", runs, names)
     return 0
 
 
