@@ -47,16 +47,18 @@ STAGES = ("read", "queue", "decode", "lookup", "encode", "dispatch", "send", "lo
 LAYOUT = KVLayout(8, 64, 128)  # small pages: a lookup costs the same at any page size
 
 
-def _timed(owner, name: str, stage: str, spent: Counter) -> None:
+def _timed(owner, name: str, stage: str, spent: Counter, inside: Counter) -> None:
     real = getattr(owner, name)
     now = time.perf_counter_ns
 
     def timed(*args, **kwargs):
+        inside[stage] += 1
         started = now()
         try:
             return real(*args, **kwargs)
         finally:
             spent[stage] += now() - started
+            inside[stage] -= 1
 
     setattr(owner, name, timed)
 
@@ -67,16 +69,21 @@ def daemon_process(argv: list[str], control) -> None:
     from hisparse.daemon import connections, fairness, index, main, outbox, server
 
     spent: Counter = Counter()
+    inside: Counter = Counter()  # calls begun and not yet ended, by stage
     for owner, name, stage in ((connections.ConnectionGuard, "recv", "read"),
                                (fairness.FairQueue, "put", "queue"), (fairness.FairQueue, "round", "queue"),
                                (wire, "decode_request", "decode"), (index.NamespaceIndex, "lookup", "lookup"),
                                (wire, "encode_ok", "encode"), (server, "dispatch", "dispatch"),
                                (outbox.Outbox, "send", "send"), (server.Server, "_on_readable", "loop")):
-        _timed(owner, name, stage, spent)
+        _timed(owner, name, stage, spent, inside)
 
     def answer() -> None:
         while True:
-            if control.recv() == "reset":
+            command = control.recv()
+            deadline = time.monotonic() + 5.0
+            while inside["loop"] and time.monotonic() < deadline:
+                time.sleep(0.001)  # the reader callback that sent the last reply is still ending
+            if command == "reset":
                 spent.clear()
             control.send(dict(spent))
 
