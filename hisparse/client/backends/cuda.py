@@ -1,42 +1,35 @@
-"""CUDA backend on cuda-python: a registered region and one gather/scatter kernel per copy.
+"""CUDA backend on cuda-python: copies between GPU tensors and the registered region.
 
-The mapped region is registered with the driver once per process
-(``cuMemHostRegister``, portable and device-mapped) in chunks of at most
-``MAX_REGISTER_CHUNK_BYTES``: one call over ~64 GiB can fail, and pinning
-costs 0.25-0.5 s per GiB, so it is done once and kept for the life of the
-process. A failed registration raises ``CudaError``; there is no pageable
-fall-back, because an unregistered region would make every copy silently
-half as fast.
+The region is registered with the driver once per process (``cudadriver``,
+whose names this module re-exports). Copies run on the GPU's copy engines:
+one 2D copy per page (``dma.plan``), ``cuMemcpy2DAsync`` between the tensor
+and the registered region, on a dedicated stream that waits for the
+caller's current stream. Where no plan fits (copies that would be small:
+small pages, short runs of pages, see ``dma``), one ``index_copy_`` (store)
+or ``index_select`` (load) kernel moves the pages through the region's
+device address (UVA, ``device_view``), on the same stream.
 
-Copies run on the GPU's copy engines: one 2D copy per page (``dma.plan``),
-``cuMemcpy2DAsync`` between the tensor and the registered region, on a
-dedicated stream that waits for the caller's current stream. Where no plan
-fits (copies that would be small: small pages, short runs of pages, see
-``dma``), one ``index_copy_`` (store) or ``index_select`` (load) kernel moves the pages
-through the region's device address (UVA), a torch CUDA tensor built from
-``__cuda_array_interface__`` without a copy. Each call synchronizes its
-stream before returning: ``store`` commits and ``load`` unpins right after,
-so the bytes must have landed.
-
-Every driver call goes through ``check``. Importing this module needs
-neither a GPU nor cuda-python; using it without a driver raises ``CudaError``.
+``scatter_async`` and ``gather_async`` return once the copies are queued,
+with a ``Copying`` whose ``wait()`` returns once they have landed: a store
+commits, and a load unpins, only after that (``hisparse.client.pipeline``
+queues the next piece's copies meanwhile). A copy that fails while queuing
+waits for what it had queued before it raises: nothing the call holds is
+given back while a DMA may still move its bytes. ``scatter`` and ``gather``
+wait at once.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hisparse.client.backends import check_page_ids, copy_itemsize, dma, torch_dtype
-from hisparse.errors import HisparseError
-from hisparse.layout import format_size
+from hisparse.client.backends.cudadriver import (MAX_REGISTER_CHUNK_BYTES, CudaError, Registration, check,
+                                                 describe, device_view, driver, init_driver, is_registered,
+                                                 register, register_chunks)
 
 if TYPE_CHECKING:
     import torch
@@ -45,194 +38,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_REGISTER_CHUNK_BYTES = 64 << 30
-
-
-class CudaError(HisparseError):
-    """A CUDA driver call failed, or no usable driver is present."""
-
-    def __init__(self, message: str, status: int | None = None, name: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.name = name
-
-
-def driver() -> Any:
-    try:
-        from cuda.bindings import driver
-    except ImportError as exc:
-        raise CudaError(f"cuda-python is not installed ({exc}); pip install 'hisparse[engine]' "
-                        "into this environment") from None
-    return driver
-
-
-def describe(status: Any) -> tuple[str, str]:
-    """(name, description) of a CUresult; works without a loadable driver."""
-    cu = driver()
-    try:
-        err, name = cu.cuGetErrorName(status)
-        err2, text = cu.cuGetErrorString(status)
-        if int(err) == 0 and int(err2) == 0:
-            return name.decode(), text.decode()
-    except Exception:  # the driver library itself may be missing
-        pass
-    try:
-        return cu.CUresult(int(status)).name, "(no driver to describe it)"
-    except ValueError:
-        return f"CUresult {int(status)}", "(unknown status)"
-
-
-def check(result: Any, what: str = "CUDA driver call") -> Any:
-    """Raise ``CudaError`` unless a cuda-python result is CUDA_SUCCESS; return its values.
-
-    cuda-python returns ``(status, *values)``; this returns ``None``, the one
-    value, or a tuple of them.
-    """
-    if isinstance(result, tuple):
-        status, values = result[0], result[1:]
-    else:
-        status, values = result, ()
-    if int(status) != 0:
-        name, text = describe(status)
-        raise CudaError(f"{what} failed: {name}: {text}", int(status), name)
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else values
-
-
-def register_chunks(address: int, size_bytes: int,
-                    max_chunk_bytes: int = MAX_REGISTER_CHUNK_BYTES) -> list[tuple[int, int]]:
-    """``(address, size)`` of each registration call covering ``[address, address+size)``."""
-    if size_bytes <= 0:
-        raise ValueError(f"nothing to register: {size_bytes} bytes")
-    if max_chunk_bytes <= 0:
-        raise ValueError(f"chunk limit must be positive: {max_chunk_bytes}")
-    return [(address + off, min(max_chunk_bytes, size_bytes - off))
-            for off in range(0, size_bytes, max_chunk_bytes)]
-
-
-_INITIALISED_PID = 0  # the process whose cuInit succeeded (a forked child must init again)
-
-
-def init_driver(device_index: int) -> None:
-    """``cuInit`` (once a process) and a current context on this thread (torch's primary context)."""
-    global _INITIALISED_PID
-    cu = driver()
-    if _INITIALISED_PID != os.getpid():
-        try:
-            status = cu.cuInit(0)
-        except HisparseError:
-            raise
-        except Exception as exc:  # cuda-python raises its own types when libcuda is absent
-            raise CudaError(f"no CUDA driver: {exc}") from None
-        check(status, "cuInit")
-        _INITIALISED_PID = os.getpid()
-    ctx = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if ctx is None or int(ctx) == 0:
-        dev = check(cu.cuDeviceGet(device_index), "cuDeviceGet")
-        primary = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-        check(cu.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
-
-
-@dataclass(frozen=True)
-class Registration:
-    address: int
-    size_bytes: int
-    device_address: int
-    chunks: tuple[tuple[int, int], ...]
-
-
-# Host address -> registration. Kept for the life of the process, together
-# with the RegionMap it belongs to, so the mapping can never be unmapped
-# under a registration or a device view.
-_REGISTRY: dict[int, tuple[Registration, RegionMap]] = {}
-_REGISTRY_LOCK = threading.Lock()
-
-
-def register(region: RegionMap, device_index: int = 0,
-             ranges: Sequence[tuple[int, int]] | None = None) -> Registration:
-    """Register the region's mapping once per process; returns its device address.
-
-    ``ranges``: ``(start, end)`` byte offsets of each registration call, when
-    the caller must choose the cuts (vLLM HiSparse: never inside a block);
-    default ``register_chunks``. They must tile the region from 0.
-    """
-    address, size = region.address, region.geometry.size_bytes
-    with _REGISTRY_LOCK:
-        held = _REGISTRY.get(address)
-        if held is not None:
-            return held[0]
-        init_driver(device_index)
-        cu = driver()
-        flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
-        chunks = register_chunks(address, size)
-        if ranges is not None:
-            chunks = [(address + start, end - start) for start, end in ranges]
-            if ranges[0][0] != 0 or ranges[-1][1] < size or any(
-                    a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
-                raise ValueError(f"registration ranges {ranges} do not tile the region of {size} B")
-        started = time.monotonic()
-        done: list[tuple[int, int]] = []
-        try:
-            for chunk_address, chunk_bytes in chunks:
-                check(cu.cuMemHostRegister(chunk_address, chunk_bytes, flags),
-                      f"cuMemHostRegister of {format_size(chunk_bytes)} at {chunk_address:#x}")
-                done.append((chunk_address, chunk_bytes))
-            device_addresses = [int(check(cu.cuMemHostGetDevicePointer(a, 0), "cuMemHostGetDevicePointer"))
-                                for a, _ in chunks]
-        except BaseException:
-            _unregister_quietly([a for a, _ in done])
-            raise
-        base = device_addresses[0]
-        for (chunk_address, _), dptr in zip(chunks, device_addresses):
-            # One tensor spans the region, so its device range must be contiguous
-            # too (it always is under UVA, where it equals the host range).
-            if dptr - base != chunk_address - address:
-                _unregister_quietly([a for a, _ in chunks])
-                raise CudaError("the region's device mapping is not contiguous across chunks")
-        reg = Registration(address, size, base, tuple(chunks))
-        _REGISTRY[address] = (reg, region)
-        log.info("registered region %s (%s) with CUDA in %d chunk(s) in %.2f s",
-                 region.path, format_size(size), len(chunks), time.monotonic() - started)
-        return reg
-
-
-def _unregister_quietly(addresses: list[int]) -> None:
-    """Undo a partial registration; the error that caused it is the one worth raising."""
-    cu = driver()
-    for chunk_address in addresses:
-        try:
-            check(cu.cuMemHostUnregister(chunk_address), "cuMemHostUnregister")
-        except CudaError as exc:
-            log.warning("%s", exc)
-
-
-class _DeviceArray:
-    """A device pointer wrapped for ``torch.as_tensor`` (CUDA Array Interface v3)."""
-
-    def __init__(self, device_address: int, shape: tuple[int, ...], typestr: str, owner: Any) -> None:
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
-                                         "data": (device_address, False), "version": 3,
-                                         "strides": None}
-        self._owner = owner  # keeps the mapping alive while torch holds the tensor
-
-
-_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
-
-
-def device_view(region: RegionMap, device_index: int, offset_bytes: int, shape: tuple[int, ...],
-                itemsize: int = 1) -> torch.Tensor:
-    """A CUDA tensor over ``shape`` elements of the registered region from ``offset_bytes``."""
-    import torch
-
-    reg = register(region, device_index)
-    array = _DeviceArray(reg.device_address + offset_bytes, shape, _TYPESTR[itemsize], region)
-    # No device= here: as_tensor would copy to another device instead of failing.
-    tensor = torch.as_tensor(array)
-    if tensor.device.index != device_index:
-        raise CudaError(f"region is mapped for {tensor.device}, not cuda:{device_index}: "
-                        "one GPU per process is supported")
-    return tensor
+__all__ = ["MAX_REGISTER_CHUNK_BYTES", "CudaBackend", "CudaError", "Copying", "Registration", "backend_for",
+           "check", "describe", "device_ids", "device_view", "driver", "init_driver", "is_registered",
+           "issue_2d", "register", "register_chunks"]
 
 
 class CudaBackend:
@@ -299,7 +107,7 @@ class CudaBackend:
 
         def kernel(slabs: torch.Tensor, src: torch.Tensor, dev_ids: torch.Tensor) -> None:
             if not np.array_equal(rows, np.arange(len(ids))):
-                src = src.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(pages.device))
+                src = src.index_select(0, device_ids(rows, pages.device))
             elif len(ids) != src.shape[0]:
                 src = src[:len(ids)]
             slabs.index_copy_(0, dev_ids, src)
@@ -320,17 +128,25 @@ class CudaBackend:
         returns at once, with the event that tells when the bytes have landed."""
         import torch
 
-        plan = self._plan(region, ids, rows)
-        stream = self._copy_stream()
-        stream.wait_stream(torch.cuda.current_stream(self.device_index))
-        if plan is not None:
-            self._run(plan, region, tensor, to_region, stream)
-        else:
-            view, shaped = self._shapes(region, tensor)
-            with torch.cuda.stream(stream):
-                kernel(view.transpose(0, 1), shaped,
-                       torch.from_numpy(ids).to(tensor.device, non_blocking=False))
-        return Copying(stream)
+        # This GPU's context current on this thread, whichever device the thread was on:
+        # the driver's copies go on this device's stream.
+        with torch.cuda.device(self.device_index):
+            plan = self._plan(region, ids, rows)
+            stream = self._copy_stream()
+            stream.wait_stream(torch.cuda.current_stream(self.device_index))
+            try:
+                if plan is not None:
+                    self._run(plan, region, tensor, to_region, stream)
+                else:
+                    view, shaped = self._shapes(region, tensor)
+                    with torch.cuda.stream(stream):
+                        kernel(view.transpose(0, 1), shaped, device_ids(ids, tensor.device))
+                return Copying(stream)
+            except BaseException:
+                # Copies queued before the failure have no event to wait on: they land before
+                # the caller gives back the pages they write (or read).
+                _settle(stream)
+                raise
 
 
 class Copying:
@@ -346,6 +162,21 @@ class Copying:
 
     def wait(self) -> None:
         self._event.synchronize()  # without the GIL: the transport's thread reads replies meanwhile
+
+
+def device_ids(ids: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Indices on ``device``, copied on the current stream without holding up the host (from
+    a pinned buffer, which torch keeps until that copy has run)."""
+    import torch
+
+    return torch.from_numpy(np.asarray(ids, dtype=np.int64)).pin_memory().to(device, non_blocking=True)
+
+
+def _settle(stream: torch.cuda.Stream) -> None:
+    try:
+        stream.synchronize()
+    except Exception:  # the error being raised is the one to report
+        log.warning("the copy stream failed too while a failed copy waited for it", exc_info=True)
 
 
 def issue_2d(plan: dma.Plan, host_base: int, device_base: int, to_host: bool, stream: int) -> None:
@@ -383,9 +214,3 @@ def backend_for(device_index: int | None) -> CudaBackend:
     if backend is None:
         backend = _BACKENDS.setdefault(device_index, CudaBackend(device_index))
     return backend
-
-
-def is_registered(region: RegionMap) -> bool:
-    """True when this process registered the region (it then stays mapped)."""
-    with _REGISTRY_LOCK:
-        return any(owner is region for _, owner in _REGISTRY.values())
