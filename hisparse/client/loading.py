@@ -88,12 +88,14 @@ def _load_pieces(sessions: Sessions, keys: list[bytes], out: Any, backend: backe
                             session.region, np.asarray(pinned, dtype=np.int64), out[a:a + len(pinned)]),
                             pinned))
                     if len(copying) > 1:  # the previous piece is unpinned while this one copies
-                        unpins.append(_unpin(sessions, session, tag, *copying.pop(0)))
+                        unpins.append(_unpin(sessions, session, tag, *copying[0]))
+                        copying.pop(0)  # (only once landed: a failure before lands it first)
                     loaded = a + len(pinned)
                     if len(pinned) < b - a:
                         break  # the committed prefix ends in this piece
                 while copying:
-                    unpins.append(_unpin(sessions, session, tag, *copying.pop(0)))
+                    unpins.append(_unpin(sessions, session, tag, *copying[0]))
+                    copying.pop(0)
             finally:
                 pipeline.land(copying)  # nothing is unpinned while a copy out of it may still run
         if settled < len(bounds):

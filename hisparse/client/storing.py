@@ -72,12 +72,14 @@ def _store_pieces(sessions: Sessions, keys: list[bytes], pages: Any, backend: ba
                             session.region, np.array([p for _, p in mine], dtype=np.int64), pages,
                             np.array(rows, dtype=np.int64)), rows))
                     if len(copying) > 1:  # the previous piece is committed while this one copies
-                        commits.append(_commit(sessions, session, keys, *copying.pop(0)))
+                        commits.append(_commit(sessions, session, keys, *copying[0]))
+                        copying.pop(0)  # (only once landed: a failure before lands it first)
                     if len(slots) < b - a:
                         full = True  # no room from here on: what the later pieces reserved goes back
                         break
                 while copying:
-                    commits.append(_commit(sessions, session, keys, *copying.pop(0)))
+                    commits.append(_commit(sessions, session, keys, *copying[0]))
+                    copying.pop(0)
             finally:
                 pipeline.land(copying)  # nothing is given back while a copy into it may still run
         committed: list[int] = []
