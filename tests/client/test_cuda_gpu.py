@@ -12,6 +12,7 @@ import hisparse
 from hisparse import client
 from hisparse.client import pipeline
 from hisparse.client.backends import cuda as cuda_backend
+from hisparse.client.backends import cudadriver
 from tests.client.engine import chain, finish, page_for, spawn
 
 pytestmark = [
@@ -36,8 +37,12 @@ def copy_path(request, c, monkeypatch):
     plans = []
     real = cuda_backend.dma.plan
 
+    # The paths through runs are tested at any size: the backend would leave copies under
+    # dma.MIN_COPY_BYTES (a run of 5 of these pages) to the kernel.
+    min_copy = {"min_copy_bytes": 0} if request.param in ("engines-by-layer", "engines-in-pieces") else {}
+
     def recording(*args):
-        plans.append(real(*args))
+        plans.append(real(*args, **min_copy))
         return plans[-1]
 
     monkeypatch.setattr(cuda_backend.dma, "plan", recording)
@@ -72,7 +77,20 @@ def calls(request, monkeypatch):
     copies queued on the copy stream behind the previous piece's, committed once landed."""
     piece_bytes = 4 * LAYOUT.page_bytes if request.param == "in-pieces" else 1 << 40
     monkeypatch.setattr(pipeline, "PIECE_BYTES", piece_bytes)
-    return request.param
+    counts = []
+    real = pipeline.pieces
+
+    def recording(n: int, page_bytes: int) -> list[tuple[int, int]]:
+        counts.append(len(real(n, page_bytes)))
+        return real(n, page_bytes)
+
+    monkeypatch.setattr(pipeline, "pieces", recording)
+    yield request.param
+    assert counts, "no call asked how to split itself: the CUDA backend must overlap"
+    if request.param == "in-pieces":
+        assert max(counts) > 1, counts
+    else:
+        assert max(counts) == 1, counts
 
 
 def gpu_pages(n: int, seed: int = 0) -> torch.Tensor:
@@ -135,7 +153,7 @@ def test_region_is_registered_once_per_process(hisparsed):
     a.store(keys, gpu_pages(3))
     b.load(keys, torch.empty((3, LAYOUT.page_bytes), dtype=torch.uint8, device="cuda"))
     region = a._session.region
-    registrations = [r for r, owner in cuda_backend._REGISTRY.values() if owner is region]
+    registrations = [r for r, owner in cudadriver._REGISTRY.values() if owner is region]
     assert len(registrations) == 1
     assert registrations[0].size_bytes == region.geometry.size_bytes
     a.close()
@@ -185,3 +203,53 @@ def test_two_threads_store_and_load_on_one_backend_at_once(c, calls):
     for t in threads:
         t.join(60)
     assert results == {0: True, 1: True}
+
+
+def test_copies_wait_for_the_callers_stream(c, calls):
+    # The pages are written on the caller's current stream, behind a slow kernel: a store
+    # that did not wait for that stream would copy the zeros that were there before.
+    keys = chain("order", 40)
+    want = gpu_pages(40, seed=5)
+    pages = torch.zeros_like(want)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of the GPU's clock
+        pages.copy_(want)
+        assert c.store(keys, pages) == 40
+        out = torch.empty_like(want)
+        torch.cuda._sleep(200_000_000)
+        out.zero_()  # behind the sleep: a load that did not wait would land first, then be zeroed
+        assert c.load(keys, out) == 40
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+def test_a_copy_that_fails_while_queuing_gives_everything_back(c, calls, monkeypatch):
+    # The driver refuses the 13th 2D copy: 12 are queued by then (in pieces, some of an
+    # earlier piece landed and may have been committed). The store raises, waits for the
+    # copies it queued, and gives back every reservation; the keys then store and load whole.
+    keys = chain("refused", 40)
+    pages = gpu_pages(40, seed=7)
+    cu = cuda_backend.driver()
+    real, issued = cu.cuMemcpy2DAsync, []
+
+    def refusing(copy, stream):
+        issued.append(1)
+        if len(issued) == 13:
+            return (cu.CUresult.CUDA_ERROR_INVALID_VALUE,)
+        return real(copy, stream)
+
+    monkeypatch.setattr(cu, "cuMemcpy2DAsync", refusing)
+    with pytest.raises(cuda_backend.CudaError):
+        c.store(keys, pages)
+    monkeypatch.setattr(cu, "cuMemcpy2DAsync", real)
+    stats = c.stats()["namespaces"]["gpu/ns"]
+    assert stats["writing_pages"] == 0 and stats["pinned_pages"] == 0, stats
+    c.store(keys, pages)  # what the failed store had committed stays (its copies landed)
+    assert c.lookup(keys) == 40
+    out = torch.zeros_like(pages)
+    assert c.load(keys, out) == 40
+    torch.cuda.synchronize()
+    assert torch.equal(out, pages)
+
