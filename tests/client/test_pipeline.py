@@ -38,10 +38,13 @@ NS = "tags"  # the namespace ns_stats reads
 
 
 class Copy:
-    def __init__(self, future: Future) -> None:
-        self.future = future
+    def __init__(self, future: Future, interrupted: bool = False) -> None:
+        self.future, self.interrupted = future, interrupted
 
     def wait(self) -> None:
+        if self.interrupted:  # a signal arrives in the first wait, the copy still running
+            self.interrupted = False
+            raise KeyboardInterrupt
         self.future.result(60)
 
 
@@ -56,6 +59,7 @@ class Overlapping(cpu.CpuBackend):
         self.copies = 0
         self.landed: set[int] = set()  # page ids whose copy has landed
         self.fail_at, self.gate_at = fail_at, gate_at  # which copy (0, 1, ...) fails / waits
+        self.interrupt_at: int | None = None  # which copy's first wait is interrupted
         self.gate, self.entered = threading.Event(), threading.Event()
 
     def _start(self, copy: Any, page_ids: np.ndarray) -> Copy:
@@ -70,7 +74,7 @@ class Overlapping(cpu.CpuBackend):
             copy()
             self.landed.update(int(p) for p in page_ids)
 
-        return Copy(self.engine.submit(run))
+        return Copy(self.engine.submit(run), interrupted=n == self.interrupt_at)
 
     def scatter_async(self, region, page_ids, pages, rows):  # type: ignore[override]
         return self._start(lambda: self.scatter(region, page_ids, pages, rows), page_ids)
@@ -248,6 +252,42 @@ def test_nothing_is_given_back_while_a_copy_into_it_is_still_in_flight(hisparsed
         t.join(30)
         assert isinstance(failed.get("error"), RuntimeError), failed
         assert ns_stats(hisparsed.socket)["writing_pages"] == 0
+
+
+@pytest.mark.parametrize("call", ["store", "load"])
+def test_a_wait_interrupted_while_the_last_piece_copies_lands_it_before_giving_back(hisparsed, piecewise,
+                                                                                    call):
+    backend, _ = piecewise
+    keys = chain(f"interrupted-{call}", 16)
+    held = "writing_pages" if call == "store" else "pinned_pages"
+    with attach(hisparsed.socket) as c:
+        if call == "load":
+            assert c.store(keys, pages_for(keys, PB)) == 16  # copies 0-3
+        first = backend.copies
+        backend.gate_at = backend.interrupt_at = first + 3  # Ctrl-C in the wait for the last piece
+        failed: dict[str, BaseException] = {}
+
+        def run() -> None:
+            try:
+                if call == "store":
+                    c.store(keys, pages_for(keys, PB))
+                else:
+                    c.load(keys, np.zeros((16, PB), dtype=np.uint8))
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                failed["error"] = exc
+
+        t = threading.Thread(target=run)
+        t.start()
+        assert backend.entered.wait(30)
+        wait_for(lambda: ns_stats(hisparsed.socket)[held] == 4, "three pieces done")
+        t.join(0.5)  # interrupted by now; its last copy still moves the bytes of its 4 pages
+        assert t.is_alive() and ns_stats(hisparsed.socket)[held] == 4, \
+            "the last piece was given back while its copy was in flight"
+        backend.gate.set()
+        t.join(30)
+        assert isinstance(failed.get("error"), KeyboardInterrupt), failed
+        assert ns_stats(hisparsed.socket)[held] == 0
+        assert c.lookup(keys) == (12 if call == "store" else 16)  # what landed and committed stays
 
 
 def test_two_writers_of_one_chain_in_pieces_each_see_it_stored_once(hisparsed, piecewise):
