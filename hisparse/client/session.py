@@ -21,7 +21,7 @@ from hisparse.client.fence import Fence, FenceBusy
 from hisparse.client.regions import acquire_region, release_region
 from hisparse.client.pending import Pending
 from hisparse.client.transport import Transport
-from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired, ProtocolError
+from hisparse.errors import DaemonUnavailable, HisparseError, InvalidArgument, LeaseExpired, ProtocolError
 from hisparse.layout import KVLayout
 from hisparse.paths import read_access_key
 from hisparse.protocol import MAX_KEYS_PER_REQUEST, Op
@@ -146,6 +146,8 @@ class Sessions:
         return not self.closed and self._session is session
 
     def current(self) -> ClientSession:
+        if self.transport.forked():  # before any lock: a parent's thread may have held it at fork
+            raise DaemonUnavailable(self.transport.forked_message())
         if self.closed:
             raise InvalidArgument("the client is closed")
         return self._session
@@ -200,6 +202,10 @@ class Sessions:
 
     def close(self) -> None:
         """Say bye (releasing the session's pins and reservations) and stop the heartbeat."""
+        if self.transport.forked():  # the session, its heartbeat and its locks are the parent's
+            self.closed = True
+            self.transport.close()
+            return
         with self._hello_lock:
             if self.closed:
                 return

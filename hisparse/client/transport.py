@@ -120,6 +120,7 @@ class Transport:
         self._outbox: deque[Pending] = deque()
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.Lock()  # a wake-up never goes to a closed (reused) fd
+        self._pid = os.getpid()  # a forked child has neither the I/O thread nor a usable socket
         self._sleeping = False  # the I/O thread is (about to be) blocked in poll: wake it
         self._probe_sent_at = 0.0  # when the I/O thread's last liveness ping went out
         os.set_blocking(self._wake_r, False)
@@ -161,12 +162,18 @@ class Transport:
     def submit_all(self, op: Op, requests: Sequence[dict[str, Any]]) -> list[Pending]:
         """``submit`` of several requests of one op, in this order, with one wake-up of the
         I/O thread: they go out together, not one per scheduling of this thread."""
-        if self._closed:
-            raise DaemonUnavailable(f"transport to {self.socket_path} is closed")
+        if self._closed or self.forked():
+            raise DaemonUnavailable(self.forked_message() if self.forked()
+                                    else f"transport to {self.socket_path} is closed")
         pendings = []
         for fields in requests:
             rid = next(self._ids)
-            pendings.append(Pending(rid, op, protocol.encode_request(op, rid, **fields), self))
+            frame = protocol.encode_request(op, rid, **fields)
+            if len(frame) > protocol.MAX_FRAME_BYTES:  # the daemon's socket would drop the connection
+                raise protocol.error_for_code(
+                    protocol.ErrorCode.FRAME_TOO_LARGE.value,
+                    f"{op.value} of {len(frame)} bytes; a request is at most {protocol.MAX_FRAME_BYTES}")
+            pendings.append(Pending(rid, op, frame, self))
         self._outbox.extend(pendings)
         if self._sleeping:  # an awake I/O thread looks at the outbox before it sleeps again
             self._wake()
@@ -185,10 +192,20 @@ class Transport:
             except BlockingIOError:
                 pass  # the pipe is full of wake-ups already
 
+    def forked(self) -> bool:
+        """True in a forked child of the process that opened this transport."""
+        return self._pid != os.getpid()
+
+    def forked_message(self) -> str:
+        return (f"this connection to {self.socket_path} belongs to process {self._pid}, and this is its "
+                f"forked child {os.getpid()}: attach a client of its own here")
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self.forked():
+            return  # inherited across fork: the I/O thread, and its locks, are the parent's
         self._wake()
         if self._io is not threading.current_thread():
             self._io.join(5.0)
@@ -234,6 +251,10 @@ class Transport:
                             log.debug("connection to %s dropped during %s; sending it again",
                                       self.socket_path, c.op.value)
                             unsent.append(c)
+                        elif not c.abandoned:  # its caller hears it now, not at its timeout
+                            c.finish(None, DaemonUnavailable(
+                                f"the connection to {self.socket_path} dropped {c.resends + 1} times "
+                                f"while {c.op.value} was in flight; not sent again"))
                     lost.clear()
                 while self._outbox:
                     unsent.append(self._outbox.popleft())

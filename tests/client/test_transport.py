@@ -156,3 +156,69 @@ def test_calls_from_many_threads_each_keep_their_timeout(hisparsed):
             os.kill(hisparsed.pid, signal.SIGCONT)
         assert len(took) == 4 and max(took) < 5.0, took
         assert cl.lookup(chain("hung", 2)) == 0  # and the client works on
+
+
+def test_a_forked_child_gets_a_prompt_error_from_its_parents_client_never_a_hang(hisparsed):
+    # The parent's threads are in calls (holding the transport's and the session's locks at
+    # random) when it forks: in the child, the inherited client refuses at once, typed, and
+    # closes without touching the parent's session; a client of the child's own works.
+    with client.attach("forked", LAYOUT, socket=hisparsed.socket, capacity="1MiB", timeout_s=2.0) as cl:
+        keys = chain("forked", 3)
+        cl.store(keys, pages_for(keys, LAYOUT.page_bytes))
+        stop = threading.Event()
+
+        def busy() -> None:
+            while not stop.is_set():
+                cl.lookup(keys)
+
+        threads = [threading.Thread(target=busy) for _ in range(4)]
+        for th in threads:
+            th.start()
+        outcomes = []
+        try:
+            for _ in range(12):
+                pid = os.fork()
+                if pid == 0:  # the child: exit codes say what happened; a hang is killed by the alarm
+                    signal.alarm(10)
+                    code = 0
+                    try:
+                        cl.lookup(keys)
+                        code = 1  # the parent's session served the child
+                    except hisparse.DaemonUnavailable as exc:
+                        code = 0 if "forked child" in str(exc) else 2
+                    except BaseException:  # noqa: BLE001 - any other outcome is a failure
+                        code = 3
+                    try:
+                        cl.close()
+                        with client.attach("forked", LAYOUT, socket=hisparsed.socket) as own:
+                            code = code or (0 if own.lookup(keys) == 3 else 4)
+                    except BaseException:  # noqa: BLE001
+                        code = code or 5
+                    os._exit(code)
+                _, status = os.waitpid(pid, 0)
+                outcomes.append(os.waitstatus_to_exitcode(status))
+        finally:
+            stop.set()
+            for th in threads:
+                th.join(10)
+        assert outcomes == [0] * 12, outcomes  # -14: a child hung until its alarm
+        assert cl.lookup(keys) == 3  # the parent's client is untouched
+        assert cl.stats()["client"]["reconnects"] == 0
+
+
+def test_a_request_over_the_frame_limit_is_refused_before_it_goes_out(hisparsed):
+    # The daemon's socket drops a connection at such a frame's header, and the transport would
+    # send it again on the next connection, taking other threads' calls down with it each time.
+    from hisparse.protocol import MAX_FRAME_BYTES, MAX_KEY_BYTES
+
+    with client.attach("big", LAYOUT, socket=hisparsed.socket, capacity="1MiB", timeout_s=5.0) as cl:
+        keys = chain("big", 3)
+        cl.store(keys, pages_for(keys, LAYOUT.page_bytes))
+        huge = [bytes([i % 251]) * MAX_KEY_BYTES for i in range(MAX_FRAME_BYTES // MAX_KEY_BYTES + 1)]
+        started = time.monotonic()
+        with pytest.raises(hisparse.ProtocolError, match="at most"):
+            cl.request(Op.LOOKUP, keys=huge)
+        assert time.monotonic() - started < 2.0  # refused here, not timed out
+        assert cl.lookup(keys) == 3
+        assert cl.stats()["client"]["reconnects"] == 0
+        assert cl.transport.connected
