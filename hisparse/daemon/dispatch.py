@@ -16,7 +16,7 @@ from hisparse import protocol
 from hisparse.daemon.handlers import HANDLERS, DaemonContext, Deferred
 from hisparse.daemon.slicing import Sliced
 from hisparse.daemon.sweep import GATED_OPS
-from hisparse.protocol import ErrorCode, WireError
+from hisparse.protocol import ErrorCode, Op, WireError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,29 @@ def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"", on_invalid=Non
     except Exception as exc:
         return _internal(ctx, None, exc)
     return serve_request(ctx, req, peer, started_ns, sliced)
+
+
+# Answered when read, ahead of their connection's queue: they change nothing that the order of a
+# connection's requests could (a liveness question; a lease renewed), and a client must learn that
+# the daemon is alive, and keep its lease, while its connection waits behind a large write's slices.
+EXPRESS_OPS = frozenset({Op.PING, Op.HEARTBEAT})
+EXPRESS_FRAME_BYTES = 64  # a ping or a heartbeat is under 48 bytes: larger frames are not looked at
+
+
+def express(ctx: DaemonContext, frame: bytes, peer: bytes) -> bytes | None:
+    """The reply to ``frame`` when it is a ping or a heartbeat (``EXPRESS_OPS``), served now;
+    None for any other frame (or one that does not decode): it is served in its turn."""
+    started_ns = time.perf_counter_ns()
+    try:
+        req = protocol.decode_request(frame)
+    except Exception:  # its turn answers it (the error, in order)
+        return None
+    if req.op not in EXPRESS_OPS:
+        return None
+    ctx.requests_total += 1
+    reply = serve_request(ctx, req, peer, started_ns)
+    assert isinstance(reply, bytes)  # neither op is deferred or sliced
+    return reply
 
 
 def serve_request(ctx: DaemonContext, req: protocol.Request, peer: bytes,

@@ -10,7 +10,9 @@ turn, ``slicing.py``). Within a uid its connections take turns (engines
 of one service user do not wait behind each other's large requests, nor
 behind one connection's pipelined flood), and one connection's requests
 are served in the order they came: a session lives on one connection, so
-its requests take effect in the order its client sent them.
+its requests take effect in the order its client sent them. (A ping or a
+heartbeat never enters this queue: the server answers it as read,
+``dispatch.express``.)
 A tenant's flood costs another tenant's request at most one request (or
 slice) of the flood's per round, and the read that found it.
 """

@@ -22,7 +22,7 @@ from hisparse import protocol
 from hisparse.daemon import notify
 from hisparse.daemon.connections import ConnectionGuard
 from hisparse.daemon.fairness import FairQueue
-from hisparse.daemon.dispatch import dispatch, finish, resume, serve_request
+from hisparse.daemon.dispatch import EXPRESS_FRAME_BYTES, dispatch, express, finish, resume, serve_request
 from hisparse.daemon.handlers import DaemonContext
 from hisparse.daemon.limits import FD_RECOUNT_INTERVAL_S, LARGE_FRAME_BYTES, Limits, caps_of
 from hisparse.daemon.outbox import Outbox
@@ -35,6 +35,7 @@ REAP_INTERVAL_S = 0.2
 EVICTION_LOG_INTERVAL_S = 5.0
 LAG_INTERVAL_S = 0.5
 MAX_BATCH_S = 0.02  # a reader callback serves this long at most, so timers and signals run
+MAX_EXPRESS = 64  # pings and heartbeats answered as read in one callback; later ones take turns
 # Per connection (ZeroMQ queues per connection, and the ROUTER takes one message from each
 # in turn): a flooding peer has at most RCVHWM requests queued, so it delays another's request
 # by at most one of its own per turn; a peer that does not read, SNDHWM replies (then dropped).
@@ -154,6 +155,7 @@ class Server:
             # Whether the socket said it holds nothing, with no send since. A check costs about
             # 2 us; a lone request takes two (read more? then, after its reply, the last word).
             idle = False
+            expressed = 0  # pings and heartbeats answered as read (dispatch.express), this batch
             while True:  # read what waits (cheap), then serve one request of each uid in turn
                 while fair.room():
                     if reads and not waiting(_EVENTS) & _POLLIN:  # woken: the first read tries
@@ -170,6 +172,13 @@ class Server:
                     size = len(body[-1]) if body else 0
                     if refusal is None and size > LARGE_FRAME_BYTES:
                         refusal = guard.admit_large_frame(identity, size, CONNECTION_REQUEST_BYTES)
+                    elif (refusal is None and size <= EXPRESS_FRAME_BYTES and expressed < MAX_EXPRESS
+                          and len(body) == 1 and not guard.refusing):
+                        reply = express(self.ctx, body[0], identity)
+                        if reply is not None:
+                            expressed += 1
+                            self._send([identity, *envelope, reply])
+                            continue
                     if refusal != "":  # "": its connection was told why, once; being shed
                         fair.put(self._uid(identity), identity,
                                  (self._handle, identity, envelope, body, refusal), size)

@@ -194,3 +194,38 @@ def test_a_slow_reader_pipelining_is_answered_while_replies_wait_in_the_outbox(i
         assert server.outbox.dropped_replies == 0
     finally:
         slow.close(linger=0)
+
+
+def test_a_ping_and_a_heartbeat_are_answered_ahead_of_their_connections_large_write(inproc):
+    # A reserve of 16,384 keys is served in 32 slices, the connection's later requests after it:
+    # a ping (the client's liveness probe) and a heartbeat do not wait for it.
+    _, _, client, _ = inproc
+    c = client()
+    c.hello("ns", KVLayout(2, 4, 8), capacity_bytes=64 * 20_000)
+    c.sock.send(protocol.encode_request(Op.RESERVE, 1, session=c.session, keys=keys_for("big", 16_384)))
+    c.sock.send(protocol.encode_request(Op.PING, 2))
+    c.sock.send(protocol.encode_request(Op.HEARTBEAT, 3, session=c.session))
+    c.sock.send(protocol.encode_request(Op.LOOKUP, 4, session=c.session, keys=keys_for("big", 1)))
+    replies = []
+    while len(replies) < 4:
+        assert c.sock.poll(10_000)
+        replies.append(msgpack.unpackb(c.sock.recv()))
+    order = [r["id"] for r in replies]
+    assert sorted(order[:2]) == [2, 3] and order[2:] == [1, 4], order  # the lookup keeps its turn
+    assert all("ok" in r for r in replies), replies
+
+
+def test_a_flood_of_pings_is_answered_whole_and_in_bounded_batches(inproc):
+    # More pings than one reader callback answers as read (MAX_EXPRESS): the rest take turns.
+    _, _, client, _ = inproc
+    c = client()
+    c.hello("ns", KVLayout(2, 4, 8), capacity_bytes=64 * 100)
+    for i in range(300):
+        c.sock.send(protocol.encode_request(Op.PING, i))
+        if i % 50 == 0:
+            c.sock.send(protocol.encode_request(Op.LOOKUP, 1000 + i, session=c.session, keys=keys_for("k", 2)))
+    seen = set()
+    while len(seen) < 306:
+        assert c.sock.poll(5000)
+        seen.add(msgpack.unpackb(c.sock.recv())["id"])
+    assert seen == set(range(300)) | {1000 + i for i in range(0, 300, 50)}
