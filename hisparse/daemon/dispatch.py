@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import time
 
+import msgpack
+
 from hisparse import protocol
 from hisparse.daemon.handlers import HANDLERS, DaemonContext, Deferred
 from hisparse.daemon.slicing import Sliced
@@ -49,11 +51,16 @@ def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"", on_invalid=Non
 # the daemon is alive, and keep its lease, while its connection waits behind a large write's slices.
 EXPRESS_OPS = frozenset({Op.PING, Op.HEARTBEAT})
 EXPRESS_FRAME_BYTES = 64  # a ping or a heartbeat is under 48 bytes: larger frames are not looked at
+# Each op's name as msgpack writes it: a small frame without one (a bye, an unpin) is not decoded
+# here as well as in its turn.
+_EXPRESS_NAMES = tuple(msgpack.packb(op.value) for op in EXPRESS_OPS)
 
 
 def express(ctx: DaemonContext, frame: bytes, peer: bytes) -> bytes | None:
     """The reply to ``frame`` when it is a ping or a heartbeat (``EXPRESS_OPS``), served now;
     None for any other frame (or one that does not decode): it is served in its turn."""
+    if not any(name in frame for name in _EXPRESS_NAMES):
+        return None
     started_ns = time.perf_counter_ns()
     try:
         req = protocol.decode_request(frame)
