@@ -144,3 +144,18 @@ def test_replies_decode():
     assert protocol.decode_reply(protocol.encode_ok(3, {"count": 2})).result() == {"count": 2}
     with pytest.raises(errors.ProtocolError):
         protocol.decode_reply(b"\xc1")
+
+
+def test_a_refused_frames_id_is_read_from_its_head_whatever_its_size():
+    keys = [bytes([i % 256]) * 36 for i in range(100_000)]  # ~3.8 MB
+    big = protocol.encode_request(Op.LOOKUP, 4242, session=3, keys=keys)
+    assert protocol.leading_id(big) == 4242
+    assert protocol.leading_id(big[:20]) == 4242  # only the head is read
+    assert protocol.leading_id(protocol.encode_request(Op.PING, 1 << 40)) == 1 << 40
+    # not where a client puts it, not an int, or no request map: unaddressed
+    assert protocol.leading_id(msgpack.packb({"a": 1, "b": 2, "c": 3, "d": 4, "id": 9})) is None
+    assert protocol.leading_id(msgpack.packb({"keys": [b"x"], "id": 9})) is None
+    assert protocol.leading_id(msgpack.packb({"v": 2, "id": "nine"})) is None
+    assert protocol.leading_id(msgpack.packb({"v": 2, "id": -1})) is None
+    for junk in (b"", b"\x81", b"\x93\x01\x02\x03", b"\xc1" * 64, b"\x82\xa2id"):
+        assert protocol.leading_id(junk) is None

@@ -209,8 +209,9 @@ class Server:
                 refusal: str | None) -> None:
         if refusal is None and self.guard.refusing and self.guard.shedding(identity):
             return  # read before its connection was told why; unanswered now
-        if refusal is not None:
-            reply = protocol.encode_error(None, ErrorCode.QUOTA_EXCEEDED, refusal)
+        if refusal is not None:  # unread: its id only if the frame's head names it
+            rid = protocol.leading_id(body[-1]) if body else None
+            reply = protocol.encode_error(rid, ErrorCode.QUOTA_EXCEEDED, refusal)
         elif len(body) != 1:
             reply = protocol.encode_error(None, ErrorCode.PROTOCOL_ERROR,
                                           f"expected one frame per request, got {len(body)}")

@@ -327,3 +327,27 @@ def scan_frame(frame: bytes) -> tuple[int | None, frozenset[str]]:
     if w.pos != len(frame):
         raise _refuse(f"{len(frame) - w.pos} bytes after the request map", w.rid)
     return w.rid, frozenset(name for name, ok in proven.items() if ok)
+
+
+LEADING_FIELDS = 4  # ``encode_request`` writes v, id, op first: the id is among these
+
+
+def leading_id(frame: bytes) -> int | None:
+    """The ``id`` of a frame refused unread (a large frame over its sender's budget), when it
+    is among the map's first ``LEADING_FIELDS`` fields with only scalars before it: a few
+    bytes read, whatever the frame's size, so the refusal reaches the call that made it
+    instead of leaving it to its timeout. None when it is not there, or the head is no
+    request map: such a frame's sender gets an unaddressed reply, as before."""
+    w = _Walker(frame)
+    try:
+        shape = w.container(frame[w.need(1)])
+        if shape is None or shape[0] != "map":
+            return None
+        for _ in range(min(shape[1], LEADING_FIELDS)):
+            if w.field_name() == "id":
+                w.request_id()
+                return w.rid
+            w.scalar(frame[w.need(1)])
+    except (WireError, IndexError):
+        return None
+    return None

@@ -132,7 +132,8 @@ def test_large_senders_past_the_budget_are_refused_and_their_uid_backs_off(daemo
         r0 = first.send_raw(protocol.encode_request(Op.LOOKUP, 1, session=first.session, keys=keys))
         assert r0 is not None and r0.ok is not None, r0  # admitted: a large sender
         reply = second.send_raw(protocol.encode_request(Op.LOOKUP, 2, session=second.session, keys=keys))
-        assert reply is not None and reply.error_code == ErrorCode.QUOTA_EXCEEDED.value  # no id: unread
+        assert reply is not None and reply.error_code == ErrorCode.QUOTA_EXCEEDED.value, reply
+        assert reply.id == 2  # unread, but its id read from the frame's head: the caller hears it
         assert "max_request_bytes_in_flight" in reply.error_message and "uid" in reply.error_message
         later = RawClient(d.socket, timeout_s=0.5)  # inside the backoff: shed, at most told why
         reply = later.send_raw(protocol.encode_request(Op.PING, 1))
@@ -330,3 +331,37 @@ def test_a_start_on_many_stale_fences_serves_before_the_sweep_ends(daemon_factor
         wait_for(lambda: len(os.listdir(fence_dir)) <= 1, "stale fences removed")
     finally:
         c.close()
+
+
+def test_a_client_refused_a_large_request_hears_it_at_once_and_serves_on(daemon_factory):
+    """Through the real client: the refusal names the call (its id read from the frame's head),
+    so the caller gets QuotaExceeded, not its whole timeout; the shed connection comes back."""
+    import hisparse
+    from hisparse import client
+
+    d = daemon_factory(env={"HISPARSED_MAX_REQUEST_BYTES_IN_FLIGHT": "24MiB"})
+    keys = keys_for("large", 10_000)
+    with client.attach("ns", LAYOUT, socket=d.socket, capacity=CAP, timeout_s=30.0) as first, \
+            client.attach("ns", LAYOUT, socket=d.socket, capacity=CAP, timeout_s=30.0) as second:
+        assert first.lookup(keys) == 0  # admitted: the uid's one large sender
+        started = time.monotonic()
+        try:
+            second.lookup(keys)
+        except hisparse.QuotaExceeded as exc:
+            assert "max_request_bytes_in_flight" in str(exc)
+        else:
+            raise AssertionError("a second large sender of one uid was served")
+        assert time.monotonic() - started < 10.0  # answered, not the 30 s timeout
+        # Its connection was shed, and its uid's new connections are for a backoff (1 s):
+        # then small requests go on, on a new connection and session.
+        wait_for(lambda: _looks_up(second, keys[:3]), "the refused client to be served again", timeout_s=30)
+        assert first.lookup(keys) == 0  # the admitted one served on
+
+
+def _looks_up(cl, keys) -> bool:
+    import hisparse
+
+    try:
+        return cl.lookup(keys) == 0
+    except hisparse.DaemonUnavailable:
+        return False  # shed while its uid backs off
