@@ -8,9 +8,10 @@ several, and must either wait for each or ``abandon`` it: an abandoned
 request's reply is dropped when it comes, and nothing waits for it.
 
 Which error a wait without a reply raises tells slow from gone:
-``DaemonUnavailable`` when the request never went out or the daemon answered
-nothing at all meanwhile, ``Timeout`` when it answered other requests but
-not this one.
+``DaemonUnavailable`` when the request never went out, its connection is down
+(the daemon went away after answering others), or the daemon answered nothing
+at all meanwhile; ``Timeout`` when it is there and answered other requests
+but not this one.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class Pending:
         if sent_at is None:
             return DaemonUnavailable(f"no daemon answered the connection on {where} "
                                      f"within {timeout_s:.3g} s ({self.op.value} not sent)")
+        if not self._transport.connected:  # dropped after it went out, and no daemon since
+            return DaemonUnavailable(f"the connection to {where} dropped while {self.op.value} was "
+                                     f"in flight, and no daemon answered it again within {timeout_s:.3g} s")
         if self._transport.heard_at > sent_at:
             return Timeout(f"hisparsed on {where} answers, but not {self.op.value} "
                            f"within {timeout_s:.3g} s")

@@ -15,8 +15,9 @@ nobody waits for any more is dropped. Nothing here knows about sessions:
 Slow is not unreachable. A call that gets no reply within its timeout
 raises ``Timeout`` when the daemon answered anything else meanwhile (another
 call, or the ``ping`` this thread sends when a call has waited
-``PROBE_AFTER_S`` in silence), and ``DaemonUnavailable`` only when the
-daemon answered nothing at all, or the request never went out. A request
+``PROBE_AFTER_S`` in silence) and its connection is still up, and
+``DaemonUnavailable`` only when the daemon answered nothing at all, the
+connection dropped and no daemon came back, or the request never went out. A request
 made while no connection is up goes out as soon as one is; if nothing
 listens on the socket (no file, or a file left by a dead daemon) it fails
 at once, naming the command that starts the daemon.

@@ -222,3 +222,29 @@ def test_a_request_over_the_frame_limit_is_refused_before_it_goes_out(hisparsed)
         assert cl.lookup(keys) == 3
         assert cl.stats()["client"]["reconnects"] == 0
         assert cl.transport.connected
+
+
+def test_a_call_in_flight_when_the_daemon_dies_is_unavailable_though_it_answered_others(daemon_factory):
+    # Gone is not slow: a call queued behind its connection's large writes hears the daemon answer
+    # them (and its probe) after it went out; then the daemon dies. At its timeout the call is
+    # DaemonUnavailable (its connection is down), not Timeout (something was heard since).
+    from tests.rawclient import keys_for
+
+    d = daemon_factory(capacity="256MiB")
+    layout = hisparse.KVLayout(2, 4, 8)
+    with client.attach("dies", layout, socket=d.socket, capacity=layout.page_bytes * 300_000,
+                       timeout_s=30.0) as cl:
+        sid = cl.session.id
+        writes = [cl.transport.submit(Op.RESERVE, session=sid, keys=keys_for(f"w{i}", 16_384))
+                  for i in range(16)]  # served in slices, one after another: about a second or more
+        late = cl.transport.submit(Op.LOOKUP, session=sid, keys=keys_for("late", 1))
+        wait_for(lambda: late.sent_at is not None and cl.transport.heard_at > late.sent_at,
+                 "the daemon to answer something after the late call went out")
+        assert late.reply is None  # still queued behind the writes
+        d.kill()
+        started = time.monotonic()
+        with pytest.raises(hisparse.DaemonUnavailable, match="dropped while lookup was in flight"):
+            late.result(1.0)
+        assert time.monotonic() - started < 10.0
+        for w in writes:
+            w.abandon()
