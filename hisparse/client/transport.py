@@ -8,8 +8,10 @@ its request ``id`` (``call``), or holds the ``Pending`` that ``submit``
 returns and waits later (a large store keeps a request per piece in
 flight, ``hisparse.client.pipeline``). Replies come back in any order and
 are matched by id, so a slow request (a waited cluster ``prefetch``) never
-delays a fast one (the scheduler's ``reserve``, a heartbeat). A reply
-nobody waits for any more is dropped. Nothing here knows about sessions:
+delays a fast one (the scheduler's ``reserve``, a heartbeat). At most
+``MAX_IN_FLIGHT`` requests are on the wire at once (the daemon drops replies
+a connection leaves unread past its bound); more wait here, in order, and
+pings and heartbeats go ahead of them. A reply nobody waits for any more is dropped. Nothing here knows about sessions:
 ``Sessions`` re-opens its session when a reply says ``UNKNOWN_SESSION``.
 
 Slow is not unreachable. A call that gets no reply within its timeout
@@ -43,7 +45,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
 import threading
 import time
 from collections import deque
@@ -54,10 +55,11 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from hisparse import protocol
+from hisparse.client.listener import endpoint_for, listener_problem
 from hisparse.client.pending import Pending
-from hisparse.errors import DaemonUnavailable, HisparseError, InvalidArgument, PermissionDenied, Timeout
+from hisparse.errors import DaemonUnavailable, HisparseError, Timeout
 from hisparse.paths import default_socket_path  # the one rule daemon and clients share
-from hisparse.protocol import Op
+from hisparse.protocol import EXPRESS_OPS, Op
 
 log = logging.getLogger(__name__)
 
@@ -69,43 +71,14 @@ RECONNECT_IVL_MAX_MS = 500  # a restarted daemon is found within half a second
 MAX_RESENDS = 3  # a request re-sent after this many connection drops in one call gives up
 PROBE_AFTER_S = 0.05  # a call unanswered this long, with the daemon silent: ask it for a ping
 PROBE_AGAIN_S = 1.0  # a ping unanswered this long is taken as lost: another may go out
-START_HINT = "start it with `hisparsed` (or `systemctl start hisparsed`)"
 _MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
 _RECV_BATCH = 256  # replies taken per wake-up before the thread looks at its queue again
-
-
-def endpoint_for(socket_path: str) -> str:
-    """``ipc://`` endpoint of a socket path; a path too long for a unix socket is refused here."""
-    if socket_path.startswith("ipc://"):
-        socket_path = socket_path[len("ipc://"):]
-    if not socket_path:
-        raise InvalidArgument("empty socket path")
-    if len(os.fsencode(socket_path)) > UNIX_PATH_MAX:
-        raise InvalidArgument(f"socket path is {len(os.fsencode(socket_path))} bytes, over the "
-                              f"{UNIX_PATH_MAX} a unix socket allows: {socket_path}")
-    return "ipc://" + socket_path
-
-
-def listener_problem(socket_path: str) -> HisparseError | None:
-    """Why no daemon can answer on ``socket_path`` right now, or None if one listens there."""
-    if not os.path.exists(socket_path):
-        return DaemonUnavailable(f"no hisparsed socket at {socket_path}: is the daemon running? "
-                                 f"{START_HINT}, or pass socket=/HISPARSE_SOCKET for another")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(socket_path)
-    except PermissionError:
-        return PermissionDenied(f"may not connect to {socket_path}: join the daemon's group "
-                                "(usermod -aG hisparse $USER) or run as its user")
-    except ConnectionRefusedError:
-        return DaemonUnavailable(f"nothing listens on {socket_path} (a stopped daemon leaves its "
-                                 f"socket): {START_HINT}")
-    except OSError as exc:
-        return DaemonUnavailable(f"cannot connect to {socket_path}: {exc.strerror or exc}")
-    finally:
-        probe.close()
-    return None
+# Requests on the wire at once; the rest wait here, in order. The daemon queues at most 64 replies
+# per connection in ZeroMQ (its SNDHWM) and a bounded backlog beyond, dropping what a peer does
+# not read in time: one Client's thousands of pipelined requests would lose replies there. Pings
+# and heartbeats (protocol.EXPRESS_OPS) go ahead of the queue and past the cap: a client behind
+# its own flood still hears the daemon and keeps its lease.
+MAX_IN_FLIGHT = 64
 
 
 class Transport:
@@ -124,6 +97,7 @@ class Transport:
         self._pid = os.getpid()  # a forked child has neither the I/O thread nor a usable socket
         self._sleeping = False  # the I/O thread is (about to be) blocked in poll: wake it
         self._probe_sent_at = 0.0  # when the I/O thread's last liveness ping went out
+        self._held = False  # requests wait for room under MAX_IN_FLIGHT, not for the socket
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.connected = False  # a daemon completed the handshake on the current connection
@@ -225,7 +199,7 @@ class Transport:
         poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._closed:
-                if unsent:
+                if unsent and not self._held:  # blocked by the socket, not by the cap
                     poller.modify(sock, zmq.POLLIN | zmq.POLLOUT)
                 timeout_ms = int(PROBE_AFTER_S * 1000) if inflight else -1
                 self._sleeping = True  # set before the outbox is looked at: no wake-up is lost
@@ -233,7 +207,7 @@ class Transport:
                     timeout_ms = 0
                 ready = dict(poller.poll(timeout_ms))
                 self._sleeping = False
-                if unsent:
+                if unsent and not self._held:
                     poller.modify(sock, zmq.POLLIN)
                 if self._wake_r in ready:
                     self._drain_wake()
@@ -257,8 +231,12 @@ class Transport:
                                 f"the connection to {self.socket_path} dropped {c.resends + 1} times "
                                 f"while {c.op.value} was in flight; not sent again"))
                     lost.clear()
+                urgent = []
                 while self._outbox:
-                    unsent.append(self._outbox.popleft())
+                    c = self._outbox.popleft()
+                    (urgent if c.op in EXPRESS_OPS else unsent).append(c)
+                if urgent:
+                    unsent[:0] = urgent
                 if unsent:
                     unsent = self._send(unsent, inflight, now)
                 probe_rid = self._probe_if_silent(inflight, probe_rid, now)
@@ -273,10 +251,17 @@ class Transport:
             pass
 
     def _send(self, unsent: list[Pending], inflight: dict[int, Pending], now: float) -> list[Pending]:
-        """Send what can go out; fail at once what cannot while nothing listens."""
+        """Send what can go out (``MAX_IN_FLIGHT``); fail at once what cannot while nothing
+        listens; return what waits."""
+        room, self._held = MAX_IN_FLIGHT - len(inflight), False
         for i, c in enumerate(unsent):
             if c.abandoned:
                 continue
+            if room <= 0 and c.op not in EXPRESS_OPS:
+                room = MAX_IN_FLIGHT - sum(not p.abandoned for p in inflight.values())
+                if room <= 0:  # sent again as replies come back
+                    self._held = True
+                    return [c for c in unsent[i:] if not c.abandoned]
             try:
                 self._sock.send(c.frame, zmq.NOBLOCK)
             except zmq.Again:
@@ -290,6 +275,7 @@ class Transport:
             if c.sent_at is None:
                 c.sent_at = now
             inflight[c.rid] = c
+            room -= 1
         return []
 
     def _receive(self, inflight: dict[int, Pending], probe_rid: int | None) -> int | None:

@@ -18,7 +18,7 @@ from hisparse import protocol
 from hisparse.daemon.handlers import HANDLERS, DaemonContext, Deferred
 from hisparse.daemon.slicing import Sliced
 from hisparse.daemon.sweep import GATED_OPS
-from hisparse.protocol import ErrorCode, Op, WireError
+from hisparse.protocol import EXPRESS_OPS, ErrorCode, WireError
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,7 @@ def dispatch(ctx: DaemonContext, frame: bytes, peer: bytes = b"", on_invalid=Non
     return serve_request(ctx, req, peer, started_ns, sliced)
 
 
-# Answered when read, ahead of their connection's queue: they change nothing that the order of a
-# connection's requests could (a liveness question; a lease renewed), and a client must learn that
-# the daemon is alive, and keep its lease, while its connection waits behind a large write's slices.
-EXPRESS_OPS = frozenset({Op.PING, Op.HEARTBEAT})
+# protocol.EXPRESS_OPS are answered when read, ahead of their connection's queue.
 EXPRESS_FRAME_BYTES = 64  # a ping or a heartbeat is under 48 bytes: larger frames are not looked at
 # Each op's name as msgpack writes it: a small frame without one (a bye, an unpin) is not decoded
 # here as well as in its turn.

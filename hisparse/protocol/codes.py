@@ -119,6 +119,11 @@ REPLY_FIELDS: dict[Op, dict[str, str]] = {
 
 SESSIONLESS_OPS = frozenset({Op.HELLO, Op.PING})
 ADMIN_OPS = frozenset({Op.CLEAR, Op.SHUTDOWN, Op.EVICT_SESSION, Op.DROP})
+# Ahead of their connection's other requests, both ends: they change nothing that the order of a
+# connection's requests could (a liveness question; a lease renewed), and a client must learn that
+# the daemon is alive, and keep its lease, while its connection waits behind its large writes.
+# The daemon answers them when it reads them; the client sends them ahead of its queued requests.
+EXPRESS_OPS = frozenset({Op.PING, Op.HEARTBEAT})
 
 
 class ErrorCode(str, enum.Enum):

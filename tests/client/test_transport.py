@@ -248,3 +248,16 @@ def test_a_call_in_flight_when_the_daemon_dies_is_unavailable_though_it_answered
         assert time.monotonic() - started < 10.0
         for w in writes:
             w.abandon()
+
+
+def test_one_client_pipelining_thousands_of_requests_gets_every_reply_and_pings_go_first(hisparsed):
+    # The daemon queues a bounded number of replies per connection and drops those its peer leaves
+    # unread past that bound. The transport keeps at most MAX_IN_FLIGHT requests on the wire, so
+    # none is dropped, and a ping made behind them all goes ahead of those still waiting.
+    with client.attach("flood", LAYOUT, socket=hisparsed.socket, capacity="1MiB", timeout_s=60.0) as cl:
+        sid = cl.session.id
+        pendings = cl.transport.submit_all(Op.STATS, [{"session": sid}] * 8000)  # ~1.4 KB replies
+        assert cl.transport.call(Op.PING, 60.0)["pid"] == hisparsed.pid
+        assert pendings[-1].reply is None  # the ping did not wait for the flood
+        assert all("daemon" in p.result(60.0) for p in pendings)
+        assert cl.stats()["daemon"]["replies_dropped"] == 0
