@@ -11,16 +11,17 @@ are matched by id, so a slow request (a waited cluster ``prefetch``) never
 delays a fast one (the scheduler's ``reserve``, a heartbeat). At most
 ``MAX_IN_FLIGHT`` requests are on the wire at once (the daemon drops replies
 a connection leaves unread past its bound); more wait here, in order, and
-pings and heartbeats go ahead of them. A reply nobody waits for any more is dropped. Nothing here knows about sessions:
-``Sessions`` re-opens its session when a reply says ``UNKNOWN_SESSION``.
+pings and heartbeats go ahead of them. A reply nobody waits for any more is
+dropped. Nothing here knows about sessions: ``Sessions`` re-opens its
+session when a reply says ``UNKNOWN_SESSION``.
 
 Slow is not unreachable. A call that gets no reply within its timeout
 raises ``Timeout`` when the daemon answered anything else meanwhile (another
 call, or the ``ping`` this thread sends when a call has waited
 ``PROBE_AFTER_S`` in silence) and its connection is still up, and
 ``DaemonUnavailable`` only when the daemon answered nothing at all, the
-connection dropped and no daemon came back, or the request never went out. A request
-made while no connection is up goes out as soon as one is; if nothing
+connection dropped and no daemon came back, or the request never went
+out. A request made while no connection is up goes out as soon as one is; if nothing
 listens on the socket (no file, or a file left by a dead daemon) it fails
 at once, naming the command that starts the daemon.
 
