@@ -15,6 +15,10 @@ heartbeat never enters this queue: the server answers it as read,
 ``dispatch.express``.)
 A tenant's flood costs another tenant's request at most one request (or
 slice) of the flood's per round, and the read that found it.
+A request read from the same connection as the one before it, with nothing
+queued, skips this queue (the server serves it as read): ZeroMQ takes
+connections in turn, so that connection alone had requests waiting, and
+the queue would have served it next.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 The loop reads the ROUTER from the event loop's reader callback (no future
 per message), serves what it read one request per uid in turn
-(``daemon.fairness``; each through ``daemon.dispatch``), sends without ever
+(``daemon.fairness``; each through ``daemon.dispatch``; a connection read
+twice in a row, with nothing queued, is served as read), sends without ever
 blocking (a client that stops reading loses its replies, not the daemon its
-time), and runs the timers: lease reaper, watchdog, eviction log.
+time), and runs the timers (``daemon.timers``: lease reaper, watchdog,
+eviction log, loop lag).
 """
 
 from __future__ import annotations
@@ -24,16 +26,14 @@ from hisparse.daemon.connections import ConnectionGuard
 from hisparse.daemon.fairness import FairQueue
 from hisparse.daemon.dispatch import EXPRESS_FRAME_BYTES, dispatch, express, finish, resume, serve_request
 from hisparse.daemon.handlers import DaemonContext
-from hisparse.daemon.limits import FD_RECOUNT_INTERVAL_S, LARGE_FRAME_BYTES, Limits, caps_of
+from hisparse.daemon.limits import LARGE_FRAME_BYTES, Limits, caps_of
 from hisparse.daemon.outbox import Outbox
 from hisparse.daemon.slicing import Sliced
+from hisparse.daemon.timers import eviction_log, loop_lag, ready_then_watchdog, reaper
 from hisparse.protocol import ErrorCode, Op, WireError
 
 log = logging.getLogger(__name__)
 
-REAP_INTERVAL_S = 0.2
-EVICTION_LOG_INTERVAL_S = 5.0
-LAG_INTERVAL_S = 0.5
 MAX_BATCH_S = 0.02  # a reader callback serves this long at most, so timers and signals run
 MAX_EXPRESS = 64  # pings and heartbeats answered as read in one callback; later ones take turns
 # Per connection (ZeroMQ queues per connection, and the ROUTER takes one message from each
@@ -75,6 +75,7 @@ class Server:
                                        **self.guard.stats(), **self.limits.stats()}
         self._stopping: asyncio.Event | None = None
         self._reading = False  # inside _on_readable (which checks for more itself)
+        self._last_read = b""  # the connection of the request read last
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stop_reason, ctx.request_shutdown = "", self.stop
 
@@ -116,14 +117,14 @@ class Server:
             metrics = MetricsServer(self.ctx, self.ctx.config.metrics_endpoint)
         if self.ctx.fence_sweep is not None:  # while it runs, ops that take pages wait for it
             self.ctx.fence_sweep.done = loop.create_future()
-        timers = [asyncio.create_task(self._reaper()), asyncio.create_task(self._eviction_log()),
-                  asyncio.create_task(self._loop_lag()), asyncio.create_task(self.outbox.run(self._rearm))]
+        timers = [asyncio.create_task(reaper(self.ctx, self.guard)), asyncio.create_task(eviction_log(self.ctx)),
+                  asyncio.create_task(loop_lag(self.ctx)), asyncio.create_task(self.outbox.run(self._rearm))]
         if self.ctx.fence_sweep is not None:
             timers.append(asyncio.create_task(self.ctx.fence_sweep.run()))
         try:
             if metrics is not None:
                 await metrics.start()  # before READY: a bad address stops the start
-            timers.append(asyncio.create_task(self._ready_then_watchdog(on_ready)))
+            timers.append(asyncio.create_task(ready_then_watchdog(on_ready)))
             await self._stopping.wait()
         finally:
             if metrics is not None:
@@ -179,6 +180,17 @@ class Server:
                             expressed += 1
                             self._send([identity, *envelope, reply])
                             continue
+                    if refusal is None and not fair.count and identity == self._last_read:
+                        # Its connection alone had requests (ZeroMQ reads connections in turn,
+                        # and it came twice in a row), nothing waits here: the queue would
+                        # serve it next. Served now, before looking for more, which has then
+                        # arrived: one look per request instead of two.
+                        self._handle(identity, envelope, body, None)
+                        idle = False  # a send may have taken the edge
+                        if time.monotonic() > deadline:
+                            break
+                        continue
+                    self._last_read = identity
                     if refusal != "":  # "": its connection was told why, once; being shed
                         fair.put(self._uid(identity), identity,
                                  (self._handle, identity, envelope, body, refusal), size)
@@ -308,63 +320,7 @@ class Server:
         except zmq.ZMQError:
             pass
 
-    # -- timers --
-
-    async def _reaper(self) -> None:
-        recounted_s = time.monotonic()
-        while True:
-            await asyncio.sleep(min(REAP_INTERVAL_S, self.ctx.sessions.lease_ttl_s / 4))
-            try:
-                self._reap()
-                self.guard.expire_refusals()
-                if time.monotonic() - recounted_s > FD_RECOUNT_INTERVAL_S:
-                    recounted_s = time.monotonic()
-                    self.limits.recount_fds()
-                    self.limits.forget_idle_peers()
-                    self.guard.regulate()
-            except Exception:
-                log.error("error in the lease reaper; serving on", exc_info=True)
-
-    async def _loop_lag(self) -> None:
-        """How late a timer fires: the event loop's lag, for the metrics."""
-        loop = asyncio.get_running_loop()
-        while True:
-            due_s = loop.time() + LAG_INTERVAL_S
-            await asyncio.sleep(LAG_INTERVAL_S)
-            self.ctx.opstats.lag(max(0, int((loop.time() - due_s) * 1e9)))
-
-    def _reap(self) -> None:
-        sessions = self.ctx.sessions
-        for session, zombie in sessions.expire():
-            if zombie is None:
-                log.info("lease expired: %s silent for %.1fs; its pages are free (its process "
-                         "holds no fence)", session.describe(), sessions.lease_ttl_s)
-            else:
-                log.warning("lease expired: %s silent for %.1fs; %d reserved pages and %d pinned "
-                            "pages stay fenced until its process exits or lets go",
-                            session.describe(), sessions.lease_ttl_s, len(zombie.fenced_pages),
-                            len(zombie.pins))
-        for zombie, freed, dropped in sessions.reap_zombies():
-            log.info("fence released: %s; %d fenced pages freed, %d pins dropped",
-                     zombie.describe(), freed, dropped)
-
-    async def _eviction_log(self) -> None:
-        while True:
-            await asyncio.sleep(EVICTION_LOG_INTERVAL_S)
-            pending = self.ctx.evictions_since_log
-            for name, count in list(pending.items()):
-                log.info("evicted %d pages of %r in the last %.0fs", count, name,
-                         EVICTION_LOG_INTERVAL_S)
-            pending.clear()
-
-    async def _ready_then_watchdog(self, on_ready) -> None:
-        """Announce readiness, then keep systemd's watchdog fed while this loop runs."""
-        if on_ready is not None:
-            await on_ready()
-        interval_s = notify.watchdog_interval_s()
-        while interval_s:
-            notify.notify("WATCHDOG=1")
-            await asyncio.sleep(interval_s)
+    # -- signals --
 
     def _reload(self) -> None:
         from hisparse.daemon import config as config_mod

@@ -229,3 +229,40 @@ def test_a_flood_of_pings_is_answered_whole_and_in_bounded_batches(inproc):
         assert c.sock.poll(5000)
         seen.add(msgpack.unpackb(c.sock.recv())["id"])
     assert seen == set(range(300)) | {1000 + i for i in range(0, 300, 50)}
+
+
+def test_a_connection_pipelining_alone_is_served_as_read_and_in_order(inproc):
+    # Read twice in a row from one connection, with nothing queued, a request skips the fair
+    # queue (that connection alone had requests waiting): served at once, in its order. With
+    # another connection pipelining too, reads alternate and the queue takes turns as before.
+    _, server, client, _ = inproc
+    queued = []
+    put = server.fair.put
+    server.fair.put = lambda uid, conn, item, size: (queued.append(conn), put(uid, conn, item, size))
+    keys = keys_for("solo", 8)
+    x, y = client(), client()
+    for c in (x, y):
+        c.hello("ns", KVLayout(2, 4, 8), capacity_bytes=64 * 100)
+    assert len(x.call(Op.RESERVE, keys=keys)["slots"]) == 8
+    x.call(Op.COMMIT, keys=keys)
+    queued.clear()
+    for i in range(200):  # each lookup asks for a prefix one key longer (mod 8) than the last
+        x.sock.send(protocol.encode_request(Op.LOOKUP, i, session=x.session, keys=keys[:1 + i % 8]))
+    replies = []
+    while len(replies) < 200:
+        assert x.sock.poll(10_000)
+        replies.append(msgpack.unpackb(x.sock.recv()))
+    assert [r["id"] for r in replies] == list(range(200))
+    assert all(r["ok"]["count"] == 1 + i % 8 for i, r in enumerate(replies))
+    assert len(queued) < 20, len(queued)  # nearly every one served as read (the first may queue)
+    queued.clear()
+    for i in range(100):  # two connections at once: each keeps its order
+        for c in (x, y):
+            c.sock.send(protocol.encode_request(Op.LOOKUP, 1000 + i, session=c.session, keys=keys[:1 + i % 8]))
+    for c in (x, y):
+        got = []
+        while len(got) < 100:
+            assert c.sock.poll(10_000)
+            got.append(msgpack.unpackb(c.sock.recv()))
+        assert [r["id"] for r in got] == [1000 + i for i in range(100)]
+        assert all(r["ok"]["count"] == 1 + i % 8 for i, r in enumerate(got))
