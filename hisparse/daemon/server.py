@@ -180,11 +180,14 @@ class Server:
                             expressed += 1
                             self._send([identity, *envelope, reply])
                             continue
-                    if refusal is None and not fair.count and identity == self._last_read:
-                        # Its connection alone had requests (ZeroMQ reads connections in turn,
-                        # and it came twice in a row), nothing waits here: the queue would
-                        # serve it next. Served now, before looking for more, which has then
-                        # arrived: one look per request instead of two.
+                    if refusal is None and not fair.count and (reads == 1 or identity == self._last_read):
+                        # Nothing queued, and the queue would serve it first: it is the first
+                        # read since the socket was found idle (whatever is read after it comes
+                        # after it in every round), or its connection alone had requests
+                        # (ZeroMQ reads connections in turn, and it came twice in a row).
+                        # Served now, before looking for more, which has then arrived: one
+                        # look per request instead of two.
+                        self._last_read = identity
                         self._handle(identity, envelope, body, None)
                         idle = False  # a send may have taken the edge
                         if time.monotonic() > deadline:
