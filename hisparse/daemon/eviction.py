@@ -29,7 +29,8 @@ import numpy as np
 
 HELD = (1 << 64) - 1
 RUN_MAX = 4096  # longest run ``flush`` finds its offsets ready for (a longer one makes them)
-MAX_RUNS = 256  # touch_run's runs noted before they are written
+MAX_RUNS = 256  # touch_run's runs noted before they are written ...
+MAX_RUN_PAGES = 8192  # ... or their pages: a flush's arrays stay small (a long run is written at once)
 MIN_BATCH = 1024
 BATCH_FRACTION = 512  # batch = max(MIN_BATCH, N / BATCH_FRACTION)
 
@@ -41,6 +42,7 @@ class StampLRU:
         self._stamps = array("Q", [HELD]) * num_pages
         self._view = np.frombuffer(self._stamps, dtype=np.uint64)
         self._runs: list[tuple[int, int, int]] = []  # touch_run's, not yet written: (first, n, clock)
+        self._run_pages = 0  # pages in them
         self._desc = np.arange(RUN_MAX - 1, -1, -1, dtype=np.uint64)  # RUN_MAX-1 .. 0
         self._batch = max(MIN_BATCH, num_pages // BATCH_FRACTION)
         self._cand: list[int] = []
@@ -152,7 +154,7 @@ class StampLRU:
 
         Deferred: the run and its clock are noted, and written with the others noted
         (``flush``) before anything reads or writes a stamp, or when ``MAX_RUNS``
-        wait. What any reader sees is exactly what touching now would have left:
+        (or ``MAX_RUN_PAGES`` pages) wait. What any reader sees is exactly what touching now would have left:
         each page not held gets a stamp from the clock's present (its run's, the
         head newest), and a held page stays held (``HELD`` is the largest stamp,
         and every other is below the clock, so the element-wise maximum picks
@@ -162,12 +164,13 @@ class StampLRU:
         """
         self._runs.append((first, n, self.clock))
         self.clock += n
-        if len(self._runs) >= MAX_RUNS:
+        self._run_pages += n
+        if len(self._runs) >= MAX_RUNS or self._run_pages >= MAX_RUN_PAGES:
             self.flush()
 
     def flush(self) -> None:
         """Write the stamps of the runs ``touch_run`` noted: a few numpy calls for them all."""
-        runs, self._runs = self._runs, []
+        runs, self._runs, self._run_pages = self._runs, [], 0
         if len(runs) == 1:
             first, n, clock = runs[0]
             desc = self._desc[RUN_MAX - n:] if n <= RUN_MAX else np.arange(n - 1, -1, -1, dtype=np.uint64)

@@ -183,3 +183,16 @@ def test_deferred_runs_leave_exactly_what_touching_at_once_would():
         assert list(a.stamps) == list(c.stamps) and a.clock == c.clock
     assert [p for p in range(512) if a.is_held(p)] == [p for p in range(512) if b.is_held(p)]
     assert [a.pop_victim() for _ in range(600)] == [b.pop_victim() for _ in range(600)]
+
+
+def test_runs_noted_stay_few_in_pages_and_a_long_run_is_written_at_once():
+    from hisparse.daemon.eviction import MAX_RUN_PAGES
+
+    lru = StampLRU(4 * MAX_RUN_PAGES)
+    for page in range(4 * MAX_RUN_PAGES):
+        lru.release(page)
+    lru.touch_run(0, 64)
+    assert len(lru._runs) == 1  # noted
+    lru.touch_run(100, 2 * MAX_RUN_PAGES)  # a 16,384-key lookup: written now, with the one noted
+    assert lru._runs == [] and lru._run_pages == 0
+    assert lru._stamps[100] == lru.clock - 1 and lru._stamps[0] == 64 + 4 * MAX_RUN_PAGES
