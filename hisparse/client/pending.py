@@ -8,17 +8,17 @@ several, and must either wait for each or ``abandon`` it: an abandoned
 request's reply is dropped when it comes, and nothing waits for it.
 
 Which error a wait without a reply raises tells slow from gone:
-``DaemonUnavailable`` when the request never went out for want of a daemon,
-its connection is down (the daemon went away after answering others), or the
-daemon answered nothing at all meanwhile; ``Timeout`` when it is there and
-answered other requests but not this one (or this one still waited behind
-the client's ``MAX_IN_FLIGHT`` requests on the wire).
+``DaemonUnavailable`` when the request never went out for want of a
+connection, its connection is down (the daemon went away after answering
+others), or the daemon answered nothing at all since it went out;
+``Timeout`` when the daemon answered other requests but not this one, or
+this one waited in the client itself (behind its ``MAX_IN_FLIGHT`` requests
+on the wire, or its I/O thread not yet scheduled) with the connection up.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from hisparse.errors import DaemonUnavailable, HisparseError, Timeout
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 class Pending:
     """A request handed to the transport's I/O thread; ``done`` is released with its answer."""
 
-    __slots__ = ("rid", "op", "frame", "done", "reply", "error", "made_at", "sent_at", "resends",
-                 "abandoned", "_transport")
+    __slots__ = ("rid", "op", "frame", "done", "reply", "error", "sent_at", "resends", "abandoned",
+                 "_transport")
 
     def __init__(self, rid: int, op: Op, frame: bytes, transport: Transport) -> None:
         self.rid = rid
@@ -43,7 +43,6 @@ class Pending:
         self.done.acquire()
         self.reply: protocol.Reply | None = None
         self.error: HisparseError | None = None
-        self.made_at = time.monotonic()
         self.sent_at: float | None = None  # first send, monotonic
         self.resends = 0
         self.abandoned = False  # the caller gave up: a late reply is dropped
@@ -75,9 +74,10 @@ class Pending:
     def _no_reply(self, timeout_s: float) -> HisparseError:
         sent_at, where = self.sent_at, self._transport.socket_path
         if sent_at is None:
-            if self._transport.connected and self._transport.heard_at > self.made_at:
-                return Timeout(f"hisparsed on {where} answers, but {self.op.value} waited "
-                               f"{timeout_s:.3g} s behind this client's requests in flight, unsent")
+            if self._transport.connected:  # the wait was this client's: its I/O thread, or the cap
+                return Timeout(f"{self.op.value} to hisparsed on {where} was not sent within "
+                               f"{timeout_s:.3g} s (behind this client's requests in flight, or its "
+                               "I/O thread not scheduled); the connection is up")
             return DaemonUnavailable(f"no daemon answered the connection on {where} "
                                      f"within {timeout_s:.3g} s ({self.op.value} not sent)")
         if not self._transport.connected:  # dropped after it went out, and no daemon since

@@ -18,10 +18,11 @@ session when a reply says ``UNKNOWN_SESSION``.
 Slow is not unreachable. A call that gets no reply within its timeout
 raises ``Timeout`` when the daemon answered anything else meanwhile (another
 call, or the ``ping`` this thread sends when a call has waited
-``PROBE_AFTER_S`` in silence) and its connection is still up, and
-``DaemonUnavailable`` only when the daemon answered nothing at all, the
-connection dropped and no daemon came back, or the request never went
-out. A request made while no connection is up goes out as soon as one is; if nothing
+``PROBE_AFTER_S`` in silence) and its connection is still up, or when it
+waited in the client itself (``MAX_IN_FLIGHT``) with the connection up;
+``DaemonUnavailable`` only when the daemon answered nothing at all since it
+went out, the connection dropped and no daemon came back, or no connection
+came up to send it on. A request made while no connection is up goes out as soon as one is; if nothing
 listens on the socket (no file, or a file left by a dead daemon) it fails
 at once, naming the command that starts the daemon.
 

@@ -261,3 +261,25 @@ def test_one_client_pipelining_thousands_of_requests_gets_every_reply_and_pings_
         assert pendings[-1].reply is None  # the ping did not wait for the flood
         assert all("daemon" in p.result(60.0) for p in pendings)
         assert cl.stats()["daemon"]["replies_dropped"] == 0
+
+
+def test_a_request_held_in_the_client_is_slow_not_unreachable(hisparsed):
+    # Past MAX_IN_FLIGHT a request waits in the client, connection up: at its timeout that is a
+    # Timeout, not DaemonUnavailable (which tells an engine to stop offloading), even with the
+    # daemon stopped; the ones on the wire, unanswered since they went out, are DaemonUnavailable.
+    with client.attach("held", LAYOUT, socket=hisparsed.socket, capacity="1MiB", timeout_s=10.0) as cl:
+        keys = chain("held", 2)
+        sid = cl.session.id
+        os.kill(hisparsed.pid, signal.SIGSTOP)
+        try:
+            on_wire = cl.transport.submit_all(Op.LOOKUP, [{"session": sid, "keys": keys}] * transport.MAX_IN_FLIGHT)
+            wait_for(lambda: all(p.sent_at is not None for p in on_wire), "the first requests to go out")
+            held = cl.transport.submit(Op.LOOKUP, session=sid, keys=keys)
+            with pytest.raises(hisparse.Timeout, match="not sent"):
+                held.result(0.3)
+            with pytest.raises(hisparse.DaemonUnavailable):
+                on_wire[0].result(0.3)
+        finally:
+            os.kill(hisparsed.pid, signal.SIGCONT)
+        assert all(p.result(10.0) == {"count": 0} for p in on_wire[1:])
+        assert cl.lookup(keys) == 0
