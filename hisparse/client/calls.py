@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired
+from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired, Timeout
 from hisparse.protocol import Op
 
 if TYPE_CHECKING:
@@ -106,8 +106,8 @@ class Owed:
             self._sessions.call_in(release.session, release.op, timeout_s, **release.fields)
         except LeaseExpired:
             return True
-        except (DaemonUnavailable, KeyboardInterrupt):
-            return False  # maybe sent, maybe not: a second one is harmless
+        except (DaemonUnavailable, Timeout, KeyboardInterrupt):
+            return False  # unanswered: maybe applied, maybe not sent; a second one is harmless
         except HisparseError as exc:
             log.warning("%s by tag failed (%s); the session's end releases it", release.op.value, exc)
         return True

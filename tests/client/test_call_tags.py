@@ -188,3 +188,28 @@ def test_unpin_of_no_pages_under_a_tag_releases_nothing(hisparsed):
         assert c.call(Op.UNPIN, tag=5) == {"unpinned": 1}
     finally:
         c.close()
+
+
+def test_a_release_not_answered_in_time_is_sent_again_not_dropped(daemon_factory):
+    # A release by tag that times out (here: held in the client behind its requests on the wire
+    # to a stalled daemon, a Timeout) is sent again until answered, as a DaemonUnavailable one is:
+    # dropping it left the call's pins held until the session ended.
+    from hisparse.client.transport import MAX_IN_FLIGHT
+
+    d = daemon_factory(lease_ttl=30, extra=QUOTAS_OFF)
+    keys = chain("r", 4)
+    with client.attach(NS, LAYOUT, socket=d.socket, capacity=LAYOUT.page_bytes * 8,
+                       timeout_s=TIMEOUT_S) as c:
+        assert _store(c, keys) == 4
+        pin = c.pin(keys)
+        assert ns_stats(d.socket)["pinned_pages"] == 4
+        session, owed = c.session, c._sessions.owed
+        with Stalled(d.pid):
+            on_wire = c.transport.submit_all(Op.LOOKUP, [{"session": session.id, "keys": keys}] * MAX_IN_FLIGHT)
+            owed.give_back(session, Op.UNPIN, tag=pin._tag)
+            wait_for(lambda: owed.pending() == 1, "the release to be queued")
+            threading.Event().wait(2.5 * TIMEOUT_S)  # two attempts time out meanwhile
+            assert owed.pending() == 1  # still owed, not given up
+        wait_for(lambda: owed.pending() == 0, "the release to be answered", timeout_s=15)
+        assert ns_stats(d.socket)["pinned_pages"] == 0
+        assert all(p.result(10.0) == {"count": 4} for p in on_wire)
