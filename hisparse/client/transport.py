@@ -105,7 +105,10 @@ class Transport:
         self.connected = False  # a daemon completed the handshake on the current connection
         self.heard_at = 0.0  # monotonic time of the last frame from the daemon
         self._sock = self._open_socket()
+        # The monitor first: a handshake done before it listens is never reported, and the
+        # transport would take its working connection for one that is not up, for good.
         self._monitor = self._sock.get_monitor_socket(_MONITORED)
+        self._sock.connect(self.endpoint)
         self._io = threading.Thread(target=self._run, daemon=True,
                                     name=f"hisparse-transport-{os.path.basename(socket_path)}")
         self._io.start()
@@ -117,7 +120,6 @@ class Transport:
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES * 2)
-        sock.connect(self.endpoint)
         return sock
 
     # -- the callers' side (any thread) --

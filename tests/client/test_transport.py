@@ -283,3 +283,18 @@ def test_a_request_held_in_the_client_is_slow_not_unreachable(hisparsed):
             os.kill(hisparsed.pid, signal.SIGCONT)
         assert all(p.result(10.0) == {"count": 0} for p in on_wire[1:])
         assert cl.lookup(keys) == 0
+
+
+def test_every_new_transport_learns_its_connection_is_up(hisparsed):
+    # The socket monitor must listen before the connect: a handshake done first was never
+    # reported, and about one transport in six then took its working connection for one that
+    # is not up, for good (no liveness probe, lost requests never re-sent, slow read as gone).
+    transports = [transport.Transport(hisparsed.socket) for _ in range(40)]
+    try:
+        for t in transports:
+            assert t.call(Op.PING, 5.0)["pid"] == hisparsed.pid
+        wait_for(lambda: all(t.connected for t in transports), "every transport to see its connection up",
+                 timeout_s=10)
+    finally:
+        for t in transports:
+            t.close()
