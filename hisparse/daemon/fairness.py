@@ -15,10 +15,10 @@ heartbeat never enters this queue: the server answers it as read,
 ``dispatch.express``.)
 A tenant's flood costs another tenant's request at most one request (or
 slice) of the flood's per round, and the read that found it.
-A request read from the same connection as the one before it, with nothing
-queued, skips this queue (the server serves it as read): ZeroMQ takes
-connections in turn, so that connection alone had requests waiting, and
-the queue would have served it next.
+A request read with nothing queued skips this queue (the server serves it as
+read) when the queue would serve it first anyway: the first read of a batch,
+or one from the same connection as the read before it (ZeroMQ takes
+connections in turn, so that connection alone had requests waiting).
 """
 
 from __future__ import annotations

@@ -182,8 +182,8 @@ class Server:
                             continue
                     if refusal is None and not fair.count and (reads == 1 or identity == self._last_read):
                         # Nothing queued, and the queue would serve it first: it is the first
-                        # read since the socket was found idle (whatever is read after it comes
-                        # after it in every round), or its connection alone had requests
+                        # read of this batch (whatever is read after it comes after it in every
+                        # round), or its connection alone had requests
                         # (ZeroMQ reads connections in turn, and it came twice in a row).
                         # Served now, before looking for more, which has then arrived: one
                         # look per request instead of two.
