@@ -22,9 +22,10 @@ call, or the ``ping`` this thread sends when a call has waited
 waited in the client itself (``MAX_IN_FLIGHT``) with the connection up;
 ``DaemonUnavailable`` only when the daemon answered nothing at all since it
 went out, the connection dropped and no daemon came back, or no connection
-came up to send it on. A request made while no connection is up goes out as soon as one is; if nothing
-listens on the socket (no file, or a file left by a dead daemon) it fails
-at once, naming the command that starts the daemon.
+came up to send it on. A request made while no connection is up goes out
+as soon as one is; if nothing listens on the socket (no file, or a file left
+by a dead daemon) it fails at once, naming the command that starts the
+daemon.
 
 Reconnection is ZeroMQ's: the DEALER reconnects to the ``ipc://`` endpoint by
 itself, backing off from ``RECONNECT_IVL_MS`` to ``RECONNECT_IVL_MAX_MS``

@@ -2,8 +2,9 @@
 
 The loop reads the ROUTER from the event loop's reader callback (no future
 per message), serves what it read one request per uid in turn
-(``daemon.fairness``; each through ``daemon.dispatch``; a connection read
-twice in a row, with nothing queued, is served as read), sends without ever
+(``daemon.fairness``; each through ``daemon.dispatch``; with nothing queued,
+a batch's first request, or a connection's second in a row, is served as
+read: the queue would serve it first), sends without ever
 blocking (a client that stops reading loses its replies, not the daemon its
 time), and runs the timers (``daemon.timers``: lease reaper, watchdog,
 eviction log, loop lag).
