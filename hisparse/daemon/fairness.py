@@ -17,8 +17,10 @@ A tenant's flood costs another tenant's request at most one request (or
 slice) of the flood's per round, and the read that found it.
 A request read with nothing queued skips this queue (the server serves it as
 read) when the queue would serve it first anyway: the first read of a batch,
-or one from the same connection as the read before it (ZeroMQ takes
-connections in turn, so that connection alone had requests waiting).
+one from the same connection as the read before it (ZeroMQ takes
+connections in turn, so that connection alone had requests waiting), or one
+whose uid is the only one with connections open (no other uid to take turns
+with, and ZeroMQ's reads are already the turns per connection).
 """
 
 from __future__ import annotations

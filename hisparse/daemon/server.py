@@ -3,8 +3,9 @@
 The loop reads the ROUTER from the event loop's reader callback (no future
 per message), serves what it read one request per uid in turn
 (``daemon.fairness``; each through ``daemon.dispatch``; with nothing queued,
-a batch's first request, or a connection's second in a row, is served as
-read: the queue would serve it first), sends without ever
+a batch's first request, a connection's second in a row, or any request
+while one uid alone has connections, is served as read: the queue would
+serve it first), sends without ever
 blocking (a client that stops reading loses its replies, not the daemon its
 time), and runs the timers (``daemon.timers``: lease reaper, watchdog,
 eviction log, loop lag).
@@ -155,7 +156,7 @@ class Server:
             deadline = time.monotonic() + MAX_BATCH_S
             reads = 0
             # Whether the socket said it holds nothing, with no send since. A check costs about
-            # 2 us; a lone request takes two (read more? then, after its reply, the last word).
+            # 2 us; a request served as read takes one (after its reply: does more wait?).
             idle = False
             expressed = 0  # pings and heartbeats answered as read (dispatch.express), this batch
             while True:  # read what waits (cheap), then serve one request of each uid in turn
@@ -181,11 +182,13 @@ class Server:
                             expressed += 1
                             self._send([identity, *envelope, reply])
                             continue
-                    if refusal is None and not fair.count and (reads == 1 or identity == self._last_read):
+                    if refusal is None and not fair.count and (reads == 1 or identity == self._last_read
+                                                               or self._one_tenant(identity)):
                         # Nothing queued, and the queue would serve it first: it is the first
                         # read of this batch (whatever is read after it comes after it in every
                         # round), or its connection alone had requests
-                        # (ZeroMQ reads connections in turn, and it came twice in a row).
+                        # (ZeroMQ reads connections in turn, and it came twice in a row), or its
+                        # uid alone has connections (ZeroMQ's turns are the queue's then).
                         # Served now, before looking for more, which has then arrived: one
                         # look per request instead of two.
                         self._last_read = identity
@@ -273,6 +276,13 @@ class Server:
             self._next_slice(identity, envelope, rid, sliced)
         else:
             self._send([identity, *envelope, reply])
+
+    def _one_tenant(self, identity: bytes) -> bool:
+        """Whether ``identity``'s uid is the only one with connections open: the queue's turns
+        per uid then have nothing to arbitrate, and its turns per connection are the order
+        ZeroMQ reads in (one message of each connection in turn)."""
+        uids = self.guard.uid_connections
+        return len(uids) == 1 and self._uid(identity) in uids
 
     def _uid(self, identity: bytes) -> object:
         """Whose turn a connection's requests take: its peer's uid (None: the kernel named none)."""

@@ -231,10 +231,12 @@ def test_a_flood_of_pings_is_answered_whole_and_in_bounded_batches(inproc):
     assert seen == set(range(300)) | {1000 + i for i in range(0, 300, 50)}
 
 
-def test_a_connection_pipelining_alone_is_served_as_read_and_in_order(inproc):
+def test_requests_the_queue_would_serve_first_are_served_as_read_each_connection_in_order(inproc):
     # Read twice in a row from one connection, with nothing queued, a request skips the fair
-    # queue (that connection alone had requests waiting): served at once, in its order. With
-    # another connection pipelining too, reads alternate and the queue takes turns as before.
+    # queue (that connection alone had requests waiting): served at once, in its order. Two
+    # connections of one uid (the only one connected, as here) pipelining at once: ZeroMQ's
+    # reads alternate, which is the queue's turns per connection, so those are served as read
+    # too, each connection's in order. (Two uids: test_fairness.py.)
     _, server, client, _ = inproc
     queued = []
     put = server.fair.put
@@ -266,3 +268,4 @@ def test_a_connection_pipelining_alone_is_served_as_read_and_in_order(inproc):
             got.append(msgpack.unpackb(c.sock.recv()))
         assert [r["id"] for r in got] == [1000 + i for i in range(100)]
         assert all(r["ok"]["count"] == 1 + i % 8 for i, r in enumerate(got))
+    assert len(queued) < 20, len(queued)
