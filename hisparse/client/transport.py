@@ -142,9 +142,10 @@ class Transport:
     def submit_all(self, op: Op, requests: Sequence[dict[str, Any]]) -> list[Pending]:
         """``submit`` of several requests of one op, in this order, with one wake-up of the
         I/O thread: they go out together, not one per scheduling of this thread."""
-        if self._closed or self.forked():
-            raise DaemonUnavailable(self.forked_message() if self.forked()
-                                    else f"transport to {self.socket_path} is closed")
+        if self.forked():
+            raise DaemonUnavailable(self.forked_message())
+        if self._closed:
+            raise DaemonUnavailable(f"transport to {self.socket_path} is closed")
         pendings = []
         for fields in requests:
             rid = next(self._ids)
