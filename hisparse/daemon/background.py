@@ -13,7 +13,10 @@ from __future__ import annotations
 import os
 import threading
 
-BACKGROUND_NICE = 10  # 10 above the loop: about a tenth of a core the loop also wants
+# 5 above the loop: about a quarter of a core the loop also wants. At 10 (a tenth) a busy
+# node starved promotions, and a worker preempted while holding the GIL held the loop up
+# longer (docs/cluster.md, benchmarks/pd_decode.py).
+BACKGROUND_NICE = 5
 MAX_NICE = 19
 
 
