@@ -33,7 +33,7 @@ def running_daemon(capacity: str = "1GiB", *extra: str) -> Iterator[str]:
 async def call(ctx: Any, op: Any, **fields: Any) -> dict:
     """One request through the daemon's own ``dispatch``; work it hands off the loop is awaited."""
     from hisparse import protocol
-    from hisparse.daemon.dispatch import dispatch, finish
+    from hisparse.daemon.front.dispatch import dispatch, finish
 
     reply = dispatch(ctx, protocol.encode_request(op, 1, **fields), PEER)
     if isinstance(reply, tuple):  # work off the loop (hello creating a region)
@@ -50,10 +50,10 @@ async def committed_keys_in_process(namespace: str, layout: KVLayout, client: st
     ``flags`` over a 512 MiB capacity, a region in shared memory, a session holding its fence,
     ``num_keys`` committed keys). Yields the context and a lookup frame of those keys."""
     from hisparse import protocol
-    from hisparse.daemon import config
-    from hisparse.daemon.handlers import DaemonContext
-    from hisparse.daemon.namespaces import Registry
-    from hisparse.daemon.sessions import SessionTable
+    from hisparse.daemon.conf import config
+    from hisparse.daemon.ops.handlers import DaemonContext
+    from hisparse.daemon.store.namespaces import Registry
+    from hisparse.daemon.store.sessions import SessionTable
     from hisparse.protocol import Op
     from hisparse.shm.fence import fence_dir_for
 

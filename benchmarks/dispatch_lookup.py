@@ -24,7 +24,7 @@ import msgpack
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import PEER, committed_keys_in_process, percentile  # noqa: E402
 from hisparse import KVLayout, protocol  # noqa: E402
-from hisparse.daemon.dispatch import dispatch  # noqa: E402
+from hisparse.daemon.front.dispatch import dispatch  # noqa: E402
 
 KEYS = 64
 

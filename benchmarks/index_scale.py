@@ -29,12 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import percentile  # noqa: E402
 from hisparse import KVLayout  # noqa: E402
 from hisparse import protocol  # noqa: E402
-from hisparse.daemon import config  # noqa: E402
-from hisparse.daemon.handlers import DaemonContext  # noqa: E402
-from hisparse.daemon.index import NamespaceIndex  # noqa: E402
-from hisparse.daemon.namespaces import Namespace, Registry  # noqa: E402
-from hisparse.daemon.dispatch import dispatch  # noqa: E402
-from hisparse.daemon.sessions import SessionTable  # noqa: E402
+from hisparse.daemon.conf import config  # noqa: E402
+from hisparse.daemon.ops.handlers import DaemonContext  # noqa: E402
+from hisparse.daemon.store.index import NamespaceIndex  # noqa: E402
+from hisparse.daemon.store.namespaces import Namespace, Registry  # noqa: E402
+from hisparse.daemon.front.dispatch import dispatch  # noqa: E402
+from hisparse.daemon.store.sessions import SessionTable  # noqa: E402
 from hisparse.shm.region import RegionGeometry  # noqa: E402
 from hisparse.shm.table import COMMITTED, RECORD_BYTES, MetaTable, TableHeader  # noqa: E402
 

@@ -66,7 +66,12 @@ def _timed(owner, name: str, stage: str, spent: Counter, inside: Counter) -> Non
 def daemon_process(argv: list[str], control) -> None:
     """hisparsed's own ``main`` with a timer on each stage; ``control`` resets and reports."""
     import hisparse.protocol as wire
-    from hisparse.daemon import connections, fairness, index, main, outbox, server
+    from hisparse.daemon.front import connections
+    from hisparse.daemon.front import fairness
+    from hisparse.daemon.store import index
+    from hisparse.daemon import main
+    from hisparse.daemon.front import outbox
+    from hisparse.daemon.front import server
 
     spent: Counter = Counter()
     inside: Counter = Counter()  # calls begun and not yet ended, by stage
@@ -93,8 +98,8 @@ def daemon_process(argv: list[str], control) -> None:
 
 def warm_stages(n: int) -> dict[str, float]:
     """Microseconds per call of each stage, back to back in this process."""
-    from hisparse.daemon.dispatch import dispatch
-    from hisparse.daemon.handlers import ns_of
+    from hisparse.daemon.front.dispatch import dispatch
+    from hisparse.daemon.ops.handlers import ns_of
 
     def per_call(fn, reps: int = n) -> float:
         for _ in range(min(reps, 1000)):

@@ -22,9 +22,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import PEER, committed_keys_in_process, percentile  # noqa: E402
 from hisparse import KVLayout  # noqa: E402
-from hisparse.daemon.handlers import DaemonContext  # noqa: E402
-from hisparse.daemon.opstats import OpStats  # noqa: E402
-from hisparse.daemon.dispatch import dispatch  # noqa: E402
+from hisparse.daemon.ops.handlers import DaemonContext  # noqa: E402
+from hisparse.daemon.ops.opstats import OpStats  # noqa: E402
+from hisparse.daemon.front.dispatch import dispatch  # noqa: E402
 
 KEYS = 64
 

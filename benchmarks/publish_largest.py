@@ -30,12 +30,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import PEER, call  # noqa: E402
 from hisparse import KVLayout, protocol  # noqa: E402
-from hisparse.daemon import config  # noqa: E402
-from hisparse.daemon.handlers import DaemonContext  # noqa: E402
-from hisparse.daemon.namespaces import Registry  # noqa: E402
-from hisparse.daemon.dispatch import dispatch, resume  # noqa: E402
-from hisparse.daemon.slicing import SLICE_KEYS  # noqa: E402
-from hisparse.daemon.sessions import SessionTable  # noqa: E402
+from hisparse.daemon.conf import config  # noqa: E402
+from hisparse.daemon.ops.handlers import DaemonContext  # noqa: E402
+from hisparse.daemon.store.namespaces import Registry  # noqa: E402
+from hisparse.daemon.front.dispatch import dispatch, resume  # noqa: E402
+from hisparse.daemon.ops.slicing import SLICE_KEYS  # noqa: E402
+from hisparse.daemon.store.sessions import SessionTable  # noqa: E402
 from hisparse.local import shm_base  # noqa: E402
 from hisparse.protocol import Op  # noqa: E402
 from hisparse.shm.fence import fence_dir_for  # noqa: E402

@@ -58,7 +58,7 @@ from benchmarks._common import percentile, running_daemon  # noqa: E402
 from hisparse import KVLayout, protocol  # noqa: E402
 from hisparse.client.fence import Fence  # noqa: E402
 from hisparse.client.transport import Transport  # noqa: E402
-from hisparse.daemon.server import RCVHWM_MESSAGES  # noqa: E402
+from hisparse.daemon.front.server import RCVHWM_MESSAGES  # noqa: E402
 from hisparse.protocol import Op  # noqa: E402
 from hisparse.shm.fence import fence_dir_for  # noqa: E402
 

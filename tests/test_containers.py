@@ -17,7 +17,7 @@ import sys
 import pytest
 import yaml
 
-from hisparse.daemon import config
+from hisparse.daemon.conf import config
 from hisparse.layout import parse_size
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,7 +8,7 @@ import os
 import re
 
 from hisparse import ctl
-from hisparse.daemon import config
+from hisparse.daemon.conf import config
 from hisparse.protocol import ADMIN_OPS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 
-from hisparse.daemon.config import Config
+from hisparse.daemon.conf.config import Config
 from hisparse.layout import format_size
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

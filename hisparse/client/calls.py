@@ -2,7 +2,7 @@
 
 Every ``reserve`` and ``pin`` a call makes carries the call's tag, a random
 63-bit nonce (``new_tag``); the daemon remembers which holds each tag took
-(``hisparse.daemon.calltags``). When such a request gets no reply in time
+(``hisparse.daemon.store.calltags``). When such a request gets no reply in time
 (the daemon stalled, a Ctrl-C) the daemon may still act on it later, and the
 caller never learns what it was given. The call then owes the daemon a
 release by tag: ``abort`` with the tag frees only reservations that this

@@ -24,15 +24,17 @@ import zmq
 import zmq.asyncio
 
 from hisparse import pipes, protocol
-from hisparse.daemon import config as config_mod
-from hisparse.daemon import notify, regiondir, trust
-from hisparse.daemon.access import AccessControl, give_to_group
-from hisparse.daemon.handlers import DaemonContext
-from hisparse.daemon.limits import raise_fd_limit
-from hisparse.daemon.namespaces import Registry
-from hisparse.daemon.server import Server, endpoint_for
-from hisparse.daemon.sessions import SessionTable
-from hisparse.daemon.sweep import BEFORE_BIND_S, FenceSweep
+from hisparse.daemon.conf import config as config_mod
+from hisparse.daemon.front import notify
+from hisparse.daemon.store import regiondir
+from hisparse.daemon.policy import trust
+from hisparse.daemon.policy.access import AccessControl, give_to_group
+from hisparse.daemon.ops.handlers import DaemonContext
+from hisparse.daemon.policy.limits import raise_fd_limit
+from hisparse.daemon.store.namespaces import Registry
+from hisparse.daemon.front.server import Server, endpoint_for
+from hisparse.daemon.store.sessions import SessionTable
+from hisparse.daemon.ops.sweep import BEFORE_BIND_S, FenceSweep
 from hisparse.errors import HisparseError
 from hisparse.layout import format_size
 from hisparse.paths import access_key_path
@@ -210,7 +212,7 @@ async def _announce_ready(endpoint: str, socket_path: str) -> None:
 def _cluster_tier(cfg: config_mod.ClusterConfig):
     """The cluster tier (its worker starts with the loop); refuses to start without the wheel."""
     from hisparse.cluster import mooncake
-    from hisparse.daemon.cluster import ClusterTier
+    from hisparse.daemon.cluster.tier import ClusterTier
 
     try:
         mooncake.load()
@@ -260,7 +262,7 @@ def run(cfg: config_mod.Config) -> int:
         log.info("%d fences of the earlier run left to sweep (served meanwhile)", len(ctx.fence_sweep.paths))
     if cfg.cluster.enabled:
         ctx.cluster = _cluster_tier(cfg.cluster)
-        from hisparse.daemon import cluster_drop
+        from hisparse.daemon.cluster import drop as cluster_drop
 
         registry.on_drop = functools.partial(cluster_drop.dropped, ctx.cluster)
     endpoint = endpoint_for(cfg.socket)

@@ -25,7 +25,7 @@ from hisparse import client
 from hisparse.client import backends, pipeline
 from hisparse.client.backends import cpu
 from hisparse.client.session import Sessions
-from hisparse.daemon.timers import REAP_INTERVAL_S
+from hisparse.daemon.front.timers import REAP_INTERVAL_S
 from hisparse.protocol import Op
 from tests.client.engine import bad_pages, chain, pages_for
 from tests.client.test_call_tags import ns_stats

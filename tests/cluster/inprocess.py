@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from hisparse.daemon import config
-from hisparse.daemon.cluster import ClusterTier
+from hisparse.daemon.conf import config
+from hisparse.daemon.cluster.tier import ClusterTier
 from hisparse.daemon.main import _cluster_tier
-from hisparse.daemon.namespaces import Namespace, Registry
+from hisparse.daemon.store.namespaces import Namespace, Registry
 from tests.cluster.test_two_nodes import LAYOUT
 
 

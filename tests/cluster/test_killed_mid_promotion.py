@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from hisparse import client
-from hisparse.daemon import cluster_promote
+from hisparse.daemon.cluster import promote as cluster_promote
 from tests.cluster.conftest import cluster_state, requires_mooncake, wait_for
 from tests.cluster.test_two_nodes import LAYOUT, cluster_stats, pages
 from tests.rawclient import keys_for

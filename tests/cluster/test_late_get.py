@@ -26,7 +26,7 @@ import textwrap
 import pytest
 
 from hisparse.cluster import mooncake
-from hisparse.daemon import cluster_promote
+from hisparse.daemon.cluster import promote as cluster_promote
 from hisparse.shm.region import RegionMap
 from hisparse.shm.table import WRITING
 from tests.cluster.conftest import requires_mooncake

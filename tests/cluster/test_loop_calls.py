@@ -21,7 +21,7 @@ import time
 import pytest
 
 from hisparse.cluster import format as fmt
-from hisparse.daemon import cluster as cluster_mod
+from hisparse.daemon.cluster import tier as cluster_mod
 from hisparse.shm.region import RegionMap
 from hisparse.shm.table import WRITING
 from tests.cluster.conftest import requires_mooncake

@@ -18,7 +18,9 @@ import functools
 
 import pytest
 
-from hisparse.daemon import cluster_drop, cluster_promote
+from hisparse.daemon.cluster import drop as cluster_drop
+
+from hisparse.daemon.cluster import promote as cluster_promote
 from tests.cluster.conftest import requires_mooncake
 from tests.cluster.inprocess import registry_and_tier
 from tests.cluster.test_loop_calls import until

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from hisparse import KVLayout, client
-from hisparse.daemon import background
+from hisparse.daemon.store import background
 from tests.cluster.conftest import requires_mooncake, wait_for
 from tests.rawclient import keys_for
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from hisparse.daemon import background
+from hisparse.daemon.store import background
 
 
 def test_a_background_thread_runs_at_its_nice_and_leaves_the_others_alone():

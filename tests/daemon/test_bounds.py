@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hisparse import KVLayout, protocol
 from hisparse.ctlviews import scrape
-from hisparse.daemon.limits import CAP_KEYS
+from hisparse.daemon.policy.limits import CAP_KEYS
 from hisparse.protocol import ErrorCode, Op
 from hisparse.shm.fence import FenceFile, fence_dir_for
 from tests.conftest import Daemon, _shm_base

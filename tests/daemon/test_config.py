@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hisparse.daemon import config
-from hisparse.daemon.config import ConfigError
+from hisparse.daemon.conf import config
+from hisparse.daemon.conf.config import ConfigError
 
 EXAMPLE = "systemd/hisparsed.toml"
 

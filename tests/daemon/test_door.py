@@ -6,7 +6,7 @@ import os
 import stat
 import threading
 
-from hisparse.daemon.door import DoorWatch
+from hisparse.daemon.front.door import DoorWatch
 from tests.waiting import wait_for
 
 

@@ -7,8 +7,8 @@ from collections import OrderedDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hisparse.daemon import eviction
-from hisparse.daemon.eviction import StampLRU
+from hisparse.daemon.store import eviction
+from hisparse.daemon.store.eviction import StampLRU
 
 
 def test_victim_is_least_recently_used():
@@ -86,7 +86,7 @@ def test_evictable_count_follows_every_operation_and_short_cuts_a_full_pinned_re
 
     import numpy as np
 
-    from hisparse.daemon.eviction import HELD, StampLRU
+    from hisparse.daemon.store.eviction import HELD, StampLRU
 
     rng = random.Random(11)
     lru = StampLRU(2048)
@@ -129,7 +129,7 @@ def test_touch_run_is_touch_many_of_the_run_head_last():
 
 
 def test_a_run_longer_than_run_max_is_touched_as_touch_many_touches_it():
-    from hisparse.daemon.eviction import RUN_MAX
+    from hisparse.daemon.store.eviction import RUN_MAX
 
     n = RUN_MAX + 5  # a 16,384-key lookup of one stored chain: vectorised too, not a Python loop
     for held in (None, 7):
@@ -153,7 +153,7 @@ def test_deferred_runs_leave_exactly_what_touching_at_once_would():
     # touch_many of each run head last (b), every victim is the same.
     import random
 
-    from hisparse.daemon.eviction import MAX_RUNS
+    from hisparse.daemon.store.eviction import MAX_RUNS
 
     rng = random.Random(7)
     a, b, c = StampLRU(512), StampLRU(512), StampLRU(512)
@@ -186,7 +186,7 @@ def test_deferred_runs_leave_exactly_what_touching_at_once_would():
 
 
 def test_runs_noted_stay_few_in_pages_and_a_long_run_is_written_at_once():
-    from hisparse.daemon.eviction import MAX_RUN_PAGES
+    from hisparse.daemon.store.eviction import MAX_RUN_PAGES
 
     lru = StampLRU(4 * MAX_RUN_PAGES)
     for page in range(4 * MAX_RUN_PAGES):

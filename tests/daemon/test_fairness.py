@@ -10,7 +10,7 @@ import threading
 import time
 
 from hisparse import KVLayout, protocol
-from hisparse.daemon.fairness import MAX_QUEUED, MAX_QUEUED_BYTES, FairQueue
+from hisparse.daemon.front.fairness import MAX_QUEUED, MAX_QUEUED_BYTES, FairQueue
 from hisparse.protocol import Op
 from tests.rawclient import RawClient
 from tests.tenants import ATTACKER_UID, holding_as_user, needs_root

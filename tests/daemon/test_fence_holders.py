@@ -2,7 +2,7 @@
 
 An flock belongs to the open file description, which fork shares; /proc/locks
 keeps naming the process that took it, even once it is dead. The daemon
-finds the holders in /proc/<pid>/fdinfo (see hisparse.daemon.proclocks).
+finds the holders in /proc/<pid>/fdinfo (see hisparse.daemon.policy.proclocks).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import os
 import pytest
 
 from hisparse.client.fence import hold
-from hisparse.daemon.sessions import SessionTable
+from hisparse.daemon.store.sessions import SessionTable
 from hisparse.errors import LeaseExpired
 from hisparse.shm import fence as shm_fence
 from tests.daemon.test_sessions import Clock, hold_some, make_namespace

@@ -177,7 +177,7 @@ def test_a_frame_just_over_the_limit_is_dropped_unread_and_the_daemon_serves_on(
 
 
 def test_replies_are_not_kept_for_a_peer_that_stops_reading_or_leaves(daemon_factory):
-    from hisparse.daemon.outbox import MAX_BACKLOG_BYTES
+    from hisparse.daemon.front.outbox import MAX_BACKLOG_BYTES
 
     d = daemon_factory(extra=QUOTAS_OFF)
     layout = KVLayout(1, 1, 64)

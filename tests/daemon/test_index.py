@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hisparse import KVLayout
-from hisparse.daemon.index import NamespaceIndex
+from hisparse.daemon.store.index import NamespaceIndex
 from hisparse.protocol import SLOT_BUSY, SLOT_COMMITTED
 from hisparse.shm.region import RegionGeometry
 from hisparse.shm.table import MetaTable, TableHeader
@@ -150,7 +150,7 @@ def test_committed_page_scan_pages_through_keys(make_index):
 def test_unpin_many_matches_unpin_one_by_one(make_index):
     import random
 
-    from hisparse.daemon.index import DOOMED
+    from hisparse.daemon.store.index import DOOMED
 
     rng = random.Random(5)
     one, many = make_index(4096, "one.meta"), make_index(4096, "many.meta")

@@ -17,7 +17,7 @@ import signal
 import pytest
 
 from hisparse import KVLayout
-from hisparse.daemon.regiondir import ID_FILE
+from hisparse.daemon.store.regiondir import ID_FILE
 from hisparse.protocol import Op
 from tests.rawclient import RawClient, keys_for
 

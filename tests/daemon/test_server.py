@@ -10,11 +10,12 @@ import uvloop
 import zmq
 
 from hisparse import KVLayout, protocol
-from hisparse.daemon import config, handlers
-from hisparse.daemon.handlers import DaemonContext
-from hisparse.daemon.namespaces import Registry
-from hisparse.daemon.server import Server, endpoint_for
-from hisparse.daemon.sessions import SessionTable
+from hisparse.daemon.conf import config
+from hisparse.daemon.ops import handlers
+from hisparse.daemon.ops.handlers import DaemonContext
+from hisparse.daemon.store.namespaces import Registry
+from hisparse.daemon.front.server import Server, endpoint_for
+from hisparse.daemon.store.sessions import SessionTable
 from hisparse.protocol import ErrorCode, Op
 from tests.rawclient import RawClient, keys_for
 from tests.waiting import wait_for

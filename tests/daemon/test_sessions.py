@@ -8,9 +8,9 @@ import os
 import pytest
 
 from hisparse import KVLayout
-from hisparse.daemon.index import FENCED, NamespaceIndex
-from hisparse.daemon.namespaces import Namespace
-from hisparse.daemon.sessions import PinHold, SessionTable
+from hisparse.daemon.store.index import FENCED, NamespaceIndex
+from hisparse.daemon.store.namespaces import Namespace
+from hisparse.daemon.store.sessions import PinHold, SessionTable
 from hisparse.errors import InvalidArgument
 from hisparse.shm.fence import LIVE, LOST, FenceFile
 from hisparse.shm.region import RegionGeometry

@@ -13,13 +13,13 @@ import pytest
 
 from benchmarks._common import PEER, call as acall
 from hisparse import KVLayout, protocol
-from hisparse.daemon import config
-from hisparse.daemon.handlers import DaemonContext
-from hisparse.daemon.namespaces import Registry
-from hisparse.daemon.sessions import SessionTable
-from hisparse.daemon.dispatch import dispatch, resume
-from hisparse.daemon.slicing import SLICE_KEYS, Sliced
-from hisparse.daemon.writes import CHECK_SLICE
+from hisparse.daemon.conf import config
+from hisparse.daemon.ops.handlers import DaemonContext
+from hisparse.daemon.store.namespaces import Registry
+from hisparse.daemon.store.sessions import SessionTable
+from hisparse.daemon.front.dispatch import dispatch, resume
+from hisparse.daemon.ops.slicing import SLICE_KEYS, Sliced
+from hisparse.daemon.ops.writes import CHECK_SLICE
 from hisparse.protocol import ErrorCode, Op
 from hisparse.shm.fence import fence_dir_for
 from hisparse.shm.table import WRITING

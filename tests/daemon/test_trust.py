@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from hisparse import KVLayout
-from hisparse.daemon.namespaces import namespace_tag
+from hisparse.daemon.store.namespaces import namespace_tag
 from hisparse.protocol import ErrorCode, Op
 from hisparse.shm.region import RegionGeometry, create_file
 from hisparse.shm.table import COMMITTED, MetaTable, TableHeader

@@ -1,0 +1,347 @@
+"""Connections to the ROUTER: counted from its monitor, refused past their caps.
+
+libzmq accepts every connection itself and tells the application only
+through the socket monitor (``EVENT_ACCEPTED`` carries the new descriptor,
+``EVENT_DISCONNECTED`` its end). The guard reads those events on the loop
+(between requests too, so a busy loop is not late for them),
+asks the kernel who connected (``SO_PEERCRED`` on the descriptor) and, past
+``max_connections``, ``max_connections_per_uid`` or the descriptor budget,
+refuses the connection: it is shut down (``shutdown(2)``; libzmq then closes
+it), after answering its first request with ``QUOTA_EXCEEDED`` naming the
+cap when that comes within ``REFUSAL_GRACE_S``. A refusal for descriptors
+is immediate: the point is to keep them.
+
+libzmq aborts the process when its ``accept`` meets EMFILE, and the
+listener cannot be paused (unbinding ends every connection it accepted;
+shutting it makes libzmq's next ``accept`` fail with EINVAL, another abort).
+So the guard closes the door instead: at the descriptor budget the socket
+file's mode goes to 0 (``regulate``) and the kernel refuses every connect;
+a connection accepted meanwhile is shut at once, and the headroom above the
+budget (``Limits.headroom``) absorbs the listen backlog and what libzmq
+accepted before the guard read the event.
+
+Before shutting a descriptor down the guard checks that it is still a unix
+socket on the daemon's own path, so a number libzmq has closed and the
+process reused is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import time
+from collections import Counter
+from typing import Any
+
+import zmq
+import zmq.backend
+from zmq.utils.monitor import parse_monitor_message
+
+from hisparse.daemon.front.door import DoorWatch
+from hisparse.daemon.policy.limits import CAP_KEYS, FDS_PER_CONNECTION, Limits
+
+log = logging.getLogger(__name__)
+
+_NOBLOCK = int(zmq.NOBLOCK)
+
+REFUSAL_GRACE_S = 0.5  # a refused connection may still read why, this long
+MAX_REFUSING = 16  # refusals answered at once; more are shed at once, unanswered
+SOCKET_MODE = 0o660
+BACKLOG = 16  # connects the kernel queues for libzmq to accept: well within any headroom
+REOPEN_MARGIN_FDS = 16
+STORM_WINDOW_S = 1.0
+MAX_REFUSALS_PER_S = 64
+STORM_CLOSE_S = 1.0
+LOG_INTERVAL_S = 5.0
+MAX_EVENTS_PER_READ = 256  # monitor events handled per call; more are read in the next one
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(fd: int) -> tuple[int, int] | None:
+    """(uid, pid) of the process at the other end of socket ``fd``, from the kernel."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        return uid, pid
+    except OSError:
+        return None
+    finally:
+        sock.detach()
+
+
+def _shutdown_if_ours(fd: int, path: str) -> bool:
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        if sock.family != socket.AF_UNIX or os.path.normpath(sock.getsockname()) != path:
+            return False
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()
+
+
+class ConnectionGuard:
+    def __init__(self, router: zmq.Socket, limits: Limits, socket_path: str, endpoint: str) -> None:
+        self.limits = limits
+        self.path = socket_path
+        self.router = router
+        # The Cython socket's own recv: pyzmq's Python-level layer costs more than the read.
+        self._recv = zmq.backend.Socket.recv.__get__(router)
+        self.endpoint = endpoint
+        # A name of its own: pyzmq's default names it by the router's descriptor number, which a
+        # later daemon in the same process (the in-process tests) may get while the old one lingers.
+        self.monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED,
+                                                 addr=f"inproc://hisparsed-monitor-{os.urandom(8).hex()}")
+        self.open: dict[int, int | None] = {}  # descriptor -> uid of an admitted connection
+        self.uid_connections: Counter[int | None] = Counter()
+        self.refusing: dict[int, tuple[float, str]] = {}  # descriptor -> (deadline, message)
+        self.listening = False  # the socket file's mode lets peers connect
+        self._closed_until_s = 0.0
+        self._window_s = 0.0  # refusals counted since then
+        self._window_refusals = 0
+        self.refused: Counter[str] = Counter()
+        self._logged_s = 0.0
+        self.door: DoorWatch | None = None  # the watch that shuts the door without the loop
+        self.door_closures = 0  # times the door was shut (by the loop or the watch)
+
+    @property
+    def fd(self) -> int:
+        return self.monitor.getsockopt(zmq.FD)
+
+    def on_events(self) -> bool:
+        """Read every pending monitor event, then act on what is still open; True when more
+        are queued already."""
+        accepted: list[int] = []
+        for _ in range(MAX_EVENTS_PER_READ):  # a storm of them must not hold the loop
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                accepted.append(fd)
+                self.limits.fds_since_count += FDS_PER_CONNECTION
+                if self.listening and not self.limits.fds_available(0):
+                    self.regulate()  # close the door before the rest of the batch is looked at
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                if fd in accepted:
+                    accepted.remove(fd)
+                self._gone(fd)
+        for fd in accepted:
+            self._accepted(fd)
+        self.expire_refusals()
+        self.regulate()
+        return bool(self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def bind(self) -> None:
+        self.router.setsockopt(zmq.BACKLOG, BACKLOG)
+        self.router.bind(self.endpoint)
+        os.chmod(self.path, SOCKET_MODE)
+        self.listening = True
+        self.door = DoorWatch(self.path, self.limits.fd_budget, self._shut_by_watch)
+        self.door.start()
+
+    def _shut_by_watch(self) -> None:
+        """The door watch shut the door (its own thread): reopened after a real count."""
+        self.listening = False
+        self.door_closures += 1
+    def regulate(self) -> None:
+        """Close the door while descriptors are at their budget; open it again below.
+
+        The door is the socket file's mode: ``connect(2)`` on a unix socket
+        needs write permission on it, so at mode 0 the kernel refuses every
+        new connect (EACCES) before libzmq could accept it, while every
+        connection already open goes on. (Root ignores modes: a root peer is
+        only shed.) At most the listen backlog (``BACKLOG``) is accepted after.
+        A storm of refused connections (more than ``MAX_REFUSALS_PER_S``: peers
+        past their caps reconnecting) closes it for ``STORM_CLOSE_S`` too: each
+        refusal costs the loop an accept, and open connections go first.
+        """
+        limits, now = self.limits, time.monotonic()
+        storm = self._window_refusals > MAX_REFUSALS_PER_S
+        if self.listening and (storm or not limits.fds_available(0)):
+            if self.door is not None:
+                self.door.watching = False
+            os.chmod(self.path, 0)
+            self.listening = False
+            self.door_closures += 1
+            self._closed_until_s = now + (STORM_CLOSE_S if storm else 0.0)
+            why = (f"{self._window_refusals} connections refused within {STORM_WINDOW_S}s" if storm else
+                   f"{limits.fds_in_use} of RLIMIT_NOFILE {limits.fd_limit} descriptors in use "
+                   f"(headroom {limits.headroom} kept free)")
+            log.warning("closed the socket to new connections: %s", why)
+        elif (not self.listening and now >= self._closed_until_s
+              and limits.recount_if_stale() + REOPEN_MARGIN_FDS <= limits.fd_budget):
+            os.chmod(self.path, SOCKET_MODE)
+            self.listening = True
+            if self.door is not None:
+                self.door.watching = True
+            log.warning("the socket takes connections again: %d descriptors in use", limits.fds_in_use)
+
+    def _accepted(self, fd: int) -> None:
+        limits, caps = self.limits, self.limits.caps
+        creds = peer_credentials(fd)
+        uid = creds[0] if creds else None
+        if not limits.fds_available(0):
+            self.regulate()  # close the door first: the next connects are the kernel's to refuse
+            self._refuse(fd, "fd_headroom", limits.headroom,
+                         f"{limits.fds_in_use} of RLIMIT_NOFILE {limits.fd_limit} descriptors in use",
+                         now=True)
+        elif len(self.open) >= caps.max_connections:
+            self._refuse(fd, "max_connections", caps.max_connections,
+                         f"{len(self.open)} connections are open")
+        elif limits.in_large_backoff(uid):  # before libzmq reads its frames into memory
+            self._backoff_refusal(uid)
+            _shutdown_if_ours(fd, self.path)
+        elif self.uid_connections[uid] >= caps.max_connections_per_uid:
+            self._refuse(fd, "max_connections_per_uid", caps.max_connections_per_uid,
+                         f"uid {uid} has {self.uid_connections[uid]} connections open")
+        else:
+            self.open[fd] = uid
+            self.uid_connections[uid] += 1
+
+    def _backoff_refusal(self, uid: int | None) -> str:
+        self.refused["max_request_bytes_in_flight"] += 1
+        self._count_refusal()
+        return (f"connection refused: max_request_bytes_in_flight ({self.limits.caps.max_request_bytes_in_flight}"
+                f") reached: uid {uid} was refused large frames and its new connections wait out a backoff")
+
+    def _gone(self, fd: int) -> None:
+        self.refusing.pop(fd, None)
+        if fd in self.open:
+            uid = self.open.pop(fd)
+            self.uid_connections[uid] -= 1
+            if self.uid_connections[uid] <= 0:
+                del self.uid_connections[uid]
+
+    def _refuse(self, fd: int, key: str, limit: int, detail: str, *, now: bool = False) -> None:
+        self.refused[key] += 1
+        self._count_refusal()
+        message = f"connection refused: {key} ({limit}) reached: {detail}"
+        if now or len(self.refusing) >= MAX_REFUSING:  # a flood of them is shed unanswered
+            _shutdown_if_ours(fd, self.path)
+        else:
+            self.refusing[fd] = (time.monotonic() + REFUSAL_GRACE_S, message)
+        if time.monotonic() - self._logged_s > LOG_INTERVAL_S:
+            self._logged_s = time.monotonic()
+            log.warning("%s (refusals so far: %s)", message, dict(self.refused))
+
+    def _count_refusal(self) -> None:
+        if time.monotonic() - self._window_s > STORM_WINDOW_S:
+            self._window_s, self._window_refusals = time.monotonic(), 0
+        self._window_refusals += 1
+        if self.listening and self._window_refusals > MAX_REFUSALS_PER_S:
+            self.regulate()
+
+    def refusal_for(self, fd: int | None) -> str | None:
+        """The refusal message when a request came on a connection being refused ("" once it
+        was answered: the rest are dropped unread)."""
+        if fd is None or fd not in self.refusing:
+            return None
+        deadline, message = self.refusing[fd]
+        self.refusing[fd] = (min(deadline, time.monotonic() + 0.05), "")  # the reply goes first
+        return message
+
+    def expire_refusals(self) -> None:
+        now = time.monotonic()
+        for fd, (deadline, _) in list(self.refusing.items()):
+            if deadline <= now:
+                del self.refusing[fd]
+                _shutdown_if_ours(fd, self.path)
+
+    def recv(self) -> tuple[bytes, list[bytes], list[bytes], str | None]:
+        """One message of the router: (identity, envelope, body frames, refusal of its
+        connection or None).
+
+        The frames after the identity are read as zmq.Frames: each says itself
+        whether another follows (no ``RCVMORE`` getsockopt, which costs more
+        than the frame), and a connection's first message tells the kernel's
+        word on who sent it (``Peer-Address``) and its descriptor. Raises
+        ``zmq.Again`` when none waits.
+        """
+        recv = self._recv
+        identity = recv(_NOBLOCK)  # a ROUTER's message is its identity and at least one frame
+        known = identity in self.limits.peers
+        parts: list[bytes] = []
+        refusal = None
+        while True:
+            frame = recv(_NOBLOCK, False)  # the rest of the message is there already
+            if not known:
+                fd = frame.get(zmq.SRCFD)
+                refusal = self.refusal_for(fd)
+                if refusal is None:
+                    peer = self.limits.peer(identity, frame.get("Peer-Address"), fd)
+                    known = True
+                    if fd is not None and fd not in self.open and self.limits.in_large_backoff(peer.uid):
+                        refusal = self._backoff_refusal(peer.uid)  # read before its accept event
+                        self.refusing[fd] = (time.monotonic() + 0.05, "")
+            parts.append(frame.bytes)
+            if not frame.more:
+                break
+        # A DEALER sends [payload]; a REQ sends ["", payload]: answer in kind.
+        if len(parts) == 2 and parts[0] == b"":
+            return identity, [b""], parts[1:], refusal
+        return identity, [], parts, refusal
+
+    def admit_large_frame(self, identity: bytes, size: int, per_connection_bytes: int) -> str | None:
+        """None, or the refusal of a large frame; a refused sender is shed (what libzmq holds
+        for it goes with it)."""
+        peer = self.limits.peers.get(identity)
+        if peer is not None and peer.fd in self.refusing:
+            return ""  # told once already; being shed
+        refusal = self.limits.admit_large_frame(identity, size, per_connection_bytes)
+        if refusal is not None and peer is not None and peer.fd is not None:
+            self.refusing[peer.fd] = (time.monotonic() + 0.05, "")  # this reply goes first
+            self._count_refusal()  # shed senders reconnect: a storm of them closes the door
+        return refusal
+
+    def shedding(self, identity: bytes) -> bool:
+        """Whether ``identity``'s connection was answered its refusal and is being shed."""
+        peer = self.limits.peers.get(identity)
+        return peer is not None and self.refusing.get(peer.fd, (0.0, None))[1] == ""
+
+    def shed_invalid_large(self, identity: bytes) -> None:
+        """A frame over LARGE_FRAME_BYTES that is no request at all (not msgpack, not a request
+        map): no client sends one, so its connection is shed (after this reply) and its uid
+        backs off as a refused large sender. A request with bad values is only refused."""
+        peer = self.limits.peers.get(identity)
+        if peer is None or peer.fd is None:
+            return
+        self.limits.refused["max_request_bytes_in_flight"] += 1
+        self.limits.large_backoff_for(peer.uid)
+        self.refusing[peer.fd] = (time.monotonic() + 0.05, "")
+        self._count_refusal()
+
+    def stats(self) -> dict[str, Any]:
+        """Open connections, and refusals: of connections, and of anything by cap (every cap
+        key, 0 included; ``fd_headroom`` counts connections and sessions refused for descriptors),
+        and how often the socket's door was shut."""
+        return {"connections": len(self.open), "connections_refused": sum(self.refused.values()),
+                "cap_refusals": {key: self.refused[key] + self.limits.refused[key] for key in CAP_KEYS},
+                "socket_closures": self.door_closures}
+
+    def close(self) -> None:
+        if self.door is not None:
+            self.door.close()
+            self.door = None
+        self._close_monitor()
+
+    def _close_monitor(self) -> None:
+        """Stop the monitor, then close its socket. In this order: libzmq's I/O thread sends
+        each event with a blocking send, so events of the router's closing connections sent
+        to a closed monitor socket would hang that thread, and every socket of the context."""
+        try:
+            self.router.disable_monitor()
+        except zmq.ZMQError:
+            pass  # the router is closed already: it sends nothing more
+        self.monitor.close(linger=0)
