@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnectorMetadata
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
 
+from hisparse.vllm.admission import account_for_growth, reserve_before_admission
 from hisparse.vllm.config import AdapterConfig
 from hisparse.vllm.fences import WorkerFences
 from hisparse.vllm.host_region import HostGeometry
@@ -63,8 +64,8 @@ from hisparse.vllm.worker_pool import (
 log = logging.getLogger(__name__)
 
 # worker_pool's attach_host_region and region_info: public here too (re-exported on purpose)
-__all__ = ["HiSparseConnector", "HiSparsePoolMetadata", "attach_host_region", "install_daemon_pool",
-           "pin_before_lookups", "region_info", "reserve_before_admission"]
+__all__ = ["HiSparseConnector", "HiSparsePoolMetadata", "account_for_growth", "attach_host_region",
+           "install_daemon_pool", "pin_before_lookups", "region_info", "reserve_before_admission"]
 
 
 @dataclass
@@ -102,13 +103,16 @@ class HiSparseConnector(VllmHiSparseConnector):
         manager = self.connector_scheduler.coordinator.host_manager
         assert manager is not None
         self.host_pool = install_daemon_pool(manager, self.namespace, self.geometry, self.settings,
-                                             step_blocks=self._step_blocks(manager.block_size))
+                                             step_blocks=self._spare_blocks())
         pin_before_lookups(kv_cache_manager.coordinator, manager, self.host_pool)
         reserve_before_admission(manager, self.host_pool)
+        account_for_growth(kv_cache_manager, manager, self.host_pool,
+                           max_model_len=int(self._vllm_config.model_config.max_model_len))
 
-    def _step_blocks(self, block_size: int) -> int:
-        sched = self._vllm_config.scheduler_config
-        return -(-int(sched.max_num_batched_tokens) // block_size) + int(sched.max_num_seqs)
+    def _spare_blocks(self) -> int:
+        # Spare stock beyond what admitted requests hold for their growth: a decode
+        # block for each sequence, so most steps need no reserve (admission module).
+        return int(self._vllm_config.scheduler_config.max_num_seqs)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
@@ -181,22 +185,3 @@ def pin_before_lookups(kv_coordinator: Any, manager: Any, pool: Any) -> None:
         return original(block_hashes, max_cache_hit_length)
 
     kv_coordinator.find_longest_cache_hit = find_longest_cache_hit
-
-
-def reserve_before_admission(manager: Any, pool: Any) -> None:
-    """Have the host group's admission check reserve what the allocation needs beyond the stock.
-
-    vLLM compares the blocks a request needs with ``get_num_free_blocks``;
-    the pool's stock covers one step of chunked prefill, and this covers a
-    larger allocation (a whole prompt, an import) with one reserve request.
-    """
-    original = manager.get_num_blocks_to_allocate
-    block_size = manager.block_size
-
-    def get_num_blocks_to_allocate(request_id: str, num_tokens: int, new_computed_blocks: Any,
-                                   *args: Any, **kwargs: Any) -> int:
-        held = len(manager.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
-        pool.ensure_free(-(-num_tokens // block_size) - held)
-        return original(request_id, num_tokens, new_computed_blocks, *args, **kwargs)
-
-    manager.get_num_blocks_to_allocate = get_num_blocks_to_allocate
