@@ -98,7 +98,7 @@ class Courier:
             return False
         if job.done.wait(budget_s):
             return True
-        self._set_answering(False, "a request got no answer within the step's budget")
+        self._set_answering(False, "no answer within the step's budget", quiet=True)
         return False
 
     def stepped(self) -> None:
@@ -182,15 +182,16 @@ class Courier:
         except Exception:
             log.exception("hisparse host pool: idle release failed")
 
-    def _set_answering(self, answering: bool, why: str = "") -> None:
+    def _set_answering(self, answering: bool, why: str = "", *, quiet: bool = False) -> None:
+        """``quiet``: a late answer on a busy machine is likely; only a call that failed warns."""
         if answering == self._answering:
             return
         self._answering = answering
         if answering:
             log.info("hisparsed answers again: the host pool calls it again")
         else:
-            log.warning("hisparsed does not answer (%s): the host pool works from its stock and "
-                        "lookups miss until it does", why)
+            log.log(logging.INFO if quiet else logging.WARNING, "hisparsed does not answer (%s): the host "
+                    "pool works from its stock and lookups miss until it does", why)
 
 
 _IDLE = Job(lambda: None)  # marker returned by _next_job: run the idle release

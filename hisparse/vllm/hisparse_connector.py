@@ -102,17 +102,14 @@ class HiSparseConnector(VllmHiSparseConnector):
         assert self.connector_scheduler is not None and self.connector_scheduler.coordinator is not None
         manager = self.connector_scheduler.coordinator.host_manager
         assert manager is not None
+        # No spare stock beyond what admitted requests hold for their growth (admission
+        # module): under pressure a spare page idle here is a page another engine waits for.
         self.host_pool = install_daemon_pool(manager, self.namespace, self.geometry, self.settings,
-                                             step_blocks=self._spare_blocks())
+                                             step_blocks=0)
         pin_before_lookups(kv_cache_manager.coordinator, manager, self.host_pool)
         reserve_before_admission(manager, self.host_pool)
         account_for_growth(kv_cache_manager, manager, self.host_pool,
                            max_model_len=int(self._vllm_config.model_config.max_model_len))
-
-    def _spare_blocks(self) -> int:
-        # Spare stock beyond what admitted requests hold for their growth: a decode
-        # block for each sequence, so most steps need no reserve (admission module).
-        return int(self._vllm_config.scheduler_config.max_num_seqs)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)

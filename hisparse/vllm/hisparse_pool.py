@@ -122,6 +122,7 @@ class DaemonHostBlockPool(LookupPins, StepBatches, SharedEventQueueBlockPool):
         self.growth: Any = None  # admission.Growth, when the connector accounts for growth
         self._view = (0, 0)  # during an admission check: (held hit blocks, pages held back)
         self._asked = 0  # the largest admission shortfall since the last flush
+        self._refused = False  # a reserve was refused or cut short since the last flush
         self._lock = threading.RLock()
         self._inflight: list[tuple[Job, Callable[[Job], None]]] = []  # answers to apply, in order
         self._batch_job: Job | None = None
@@ -163,7 +164,7 @@ class DaemonHostBlockPool(LookupPins, StepBatches, SharedEventQueueBlockPool):
             self._collect()
             self._asked = max(self._asked, num_blocks)
             short = num_blocks - len(self._stock)
-        if short > 0:
+        if short > 0 and not self._refused:  # refused once this step: ask again next step
             self._refill(short, budget_s=self._budget_s)
 
     def _refill(self, count: int, *, budget_s: float | None = None) -> int:
@@ -302,6 +303,7 @@ class DaemonHostBlockPool(LookupPins, StepBatches, SharedEventQueueBlockPool):
         with self._lock:
             self._collect()
             self._asked = 0
+            self._refused = False
         self._budget_s = STEP_BUDGET_S  # the next step's
         self._courier.stepped()
 

@@ -146,6 +146,7 @@ class StepBatches:
     _unpins_next: list[tuple[Session, int]]
     _aborts: list[tuple[Session, list[bytes]]]
     _withheld: list[tuple[Session, int]]
+    _refused: bool
     _fences: Any
     _ops: Any
     _mirror: Any
@@ -251,12 +252,14 @@ class StepBatches:
         if reserve.slots is None:
             if reserve.error is not None and not isinstance(reserve.error, UNREACHABLE):
                 self.counters["refusals"] += 1
+                self._refused = True
             return 0
         self.counters["reserve_requests"] += 1
         for key in reserve.evicted:
             self._mirror.note_evicted(bytes(key))
         if len(reserve.slots) < len(reserve.keys):
             self.counters["refusals"] += 1  # a short reply: the rest is not there now
+            self._refused = True
         if not self._fences.hold(reserve.session):
             return 0  # its fence was let go: the reservations went with the session
         for key, slot in zip(reserve.keys, reserve.slots):
