@@ -105,7 +105,9 @@ class Courier:
         """A scheduler step ran: the idle timer starts again."""
         with self._cond:
             self._last_step = self._clock()
-            self._idle_done = False
+            if self._idle_done:
+                self._idle_done = False
+                self._cond.notify()  # the thread may wait with no timeout
 
     def close(self) -> None:
         with self._cond:
