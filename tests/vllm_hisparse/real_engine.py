@@ -19,6 +19,8 @@ them complete in a ``HiSparseConnectorWorkerMetadata``, as the worker does.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,8 @@ from typing import Any
 import torch
 
 from tests.vllm_hisparse import platform
+
+atexit.register(gc.unfreeze)  # what the engines froze is freed at exit, as vLLM's shutdown does
 
 BLOCK_TOKENS = 64
 MLA_HEAD = 48  # kv_lora_rank 32 + rope 16: 96-byte bf16 rows
@@ -146,6 +150,11 @@ class Engine:
         self.coordinator = self.connector.connector_scheduler.coordinator
         self.hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
         self.fence_paths: tuple[str, ...] = ()
+        # As vLLM's EngineCore does once its scheduler is built: the start-up heap leaves the
+        # collector, or a full collection pauses a step 0.3-1 s (tests/vllm/harness.py too).
+        from vllm.utils.gc_utils import freeze_gc_heap
+
+        freeze_gc_heap()
 
     def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> Any:
         from vllm.sampling_params import SamplingParams
