@@ -62,37 +62,41 @@ class Result:
 
 
 def make_engines(socket: str, model_dir: str, count: int, *, region_pages: int, workload: Workload,
-                 own_pool: bool = False, with_indexer: bool = False) -> list[Engine]:
+                 own_pool: bool = False, with_indexer: bool = False, namespace: str | None = None) -> list[Engine]:
     """``count`` engines: ours on one region of ``region_pages`` pages, or (``own_pool``) vLLM's
-    own connector with a private pool each of ``region_pages // count`` pages (the same total)."""
+    own connector with a private pool each of ``region_pages // count`` pages (the same total).
+    ``namespace``: instead of the derived one (a fresh one per run of a benchmark)."""
     pages = region_pages // count if own_pool else region_pages
+    extra = {"namespace": namespace} if namespace else {}
     return [Engine(socket, model_dir, host_pool_gib=pool_gib(pages), max_model_len=workload.max_model_len,
-                   own_pool=own_pool, with_indexer=with_indexer) for _ in range(count)]
+                   own_pool=own_pool, with_indexer=with_indexer, extra=extra) for _ in range(count)]
 
 
 def drive(engines: list[Engine], workload: Workload, *, max_steps: int = 4000,
           deadline_s: float = 600.0) -> Result:
     """Add the workload to every engine and step them round-robin until all finished."""
-    requests = []
+    mine: list[list[Any]] = []
     for e, engine in enumerate(engines):
-        for i in range(workload.requests_per_engine):
-            requests.append(engine.add(f"e{e}-r{i}", workload.prompt(e, i), max_tokens=workload.max_tokens))
+        mine.append([engine.add(f"e{e}-r{i}", workload.prompt(e, i), max_tokens=workload.max_tokens)
+                     for i in range(workload.requests_per_engine)])
+    requests = [r for reqs in mine for r in reqs]
     result = Result(requests=len(requests))
     scheduled = dict.fromkeys((r.request_id for r in requests), 0)
-    live = list(engines)
+    dead: set[int] = set()
     until = time.monotonic() + deadline_s
-    while live and result.steps < max_steps and time.monotonic() < until:
-        for engine in list(live):
-            if not engine.scheduler.requests:
-                live.remove(engine)
-                continue
+    while result.steps < max_steps and time.monotonic() < until:
+        active = [(i, engine) for i, engine in enumerate(engines)
+                  if i not in dead and not all(r.is_finished() for r in mine[i])]
+        if not active:
+            break
+        for i, engine in active:
             started = time.perf_counter()
             try:
                 for req_id, tokens in engine.step().items():
                     scheduled[req_id] = scheduled.get(req_id, 0) + tokens
             except Exception:  # an exception out of schedule(): the engine would die
                 result.exceptions.append(traceback.format_exc(limit=6))
-                live.remove(engine)
+                dead.add(i)
                 continue
             result.step_s.append(time.perf_counter() - started)
         result.steps += 1
