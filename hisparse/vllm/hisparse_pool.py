@@ -212,8 +212,9 @@ class DaemonHostBlockPool(LookupPins, StepBatches, SharedEventQueueBlockPool):
                 page = block.block_id
                 if block.ref_cnt == 0:
                     # A free block a lookup may hit is held: pinned by pin_prefix, or our
-                    # reservation whose publish is queued (a request just freed it).
-                    assert page in self._lookup or page in self._to_publish, \
+                    # reservation whose publish is queued or on its way (a request just freed
+                    # it; the publish's answer pins it, as the block is referenced again).
+                    assert page in self._lookup or page in self._to_publish or page in self._publishing, \
                         f"host page {page} touched but not held"
                     self._lookup.discard(page)
                 block.ref_cnt += 1

@@ -79,3 +79,33 @@ def test_a_long_request_costs_a_few_requests_not_one_per_block(sides):
     assert b.admit(again) == 396
     assert b.pool.counters["pin_requests"] == 1 and b.pool.counters["lookup_pins"] == 99
     assert b.read_ok(again, 396)
+
+
+@pytest.mark.parametrize("stop_before", ["flush", "publish"])
+def test_a_prefix_that_just_finished_is_a_held_hit_while_the_daemon_is_stopped(hisparsed, sides, stop_before):
+    # A request finishes while its blocks' publish is queued (the daemon stopped before
+    # the flush) or on its way (stopped during it); the next request with its prompt hits
+    # those blocks locally: they are this engine's reservations, so touching them is
+    # fine ("host page N touched but not held" crashed schedule() before).
+    import os
+    import signal
+
+    a = sides(num_host_blocks=32, step_blocks=4)
+    first = a.add("first", PROMPT)
+    assert a.admit(first) == 0
+    a.write(first)
+    a.step()  # the stock is topped up
+    os.kill(hisparsed.pid, signal.SIGSTOP)
+    try:
+        a.publish(first)
+        if stop_before == "publish":
+            a.step()  # the publish goes out; no answer within the step's budget
+        a.finish(first)
+        again = a.add("again", PROMPT)
+        assert a.admit(again) == 20  # the first five blocks, held by this engine
+        assert a.read_ok(again, 20)
+    finally:
+        os.kill(hisparsed.pid, signal.SIGCONT)
+    a.finish(again)
+    for _ in range(3):
+        a.step()
