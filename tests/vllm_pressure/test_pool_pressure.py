@@ -86,6 +86,8 @@ def test_a_lookup_that_waits_for_the_indexer_never_lends_its_pins_to_another_req
         a.add("a-new", list(range(9000, 9000 + 3 * BLOCK_TOKENS)), max_tokens=1)
         for _ in range(20):
             a.step()  # raised ValueError: Cannot get 3 free blocks from the pool
+            # the free count is what get_new_blocks can hand out: the stock, never the lookup pins
+            assert a.pool.get_num_free_blocks() == len(a.pool._stock)
         hog.close()  # room again: both requests run
         a.run(max_steps=500)
     finally:
