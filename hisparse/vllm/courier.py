@@ -18,8 +18,10 @@ while the daemon ``answering``:
 
 Idle engines: vLLM stops stepping an engine without requests, so the pool
 would never flush again. When no step has come for ``IDLE_RELEASE_S`` the
-courier calls the pool's ``on_idle`` once (giving back its stock and sending
-its queued unpins), and again after each later step.
+courier calls the pool's ``on_idle`` (giving back its stock and sending its
+queued publishes and unpins), every ``IDLE_RELEASE_S`` while it answers that
+something is still queued (an unpin waits one batch), and again after any
+later step.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class Courier:
     """One thread running the pool's jobs in order, probing a daemon that stopped answering."""
 
     def __init__(self, probe: Callable[[float], None], *, timeout_s: float,
-                 on_idle: Callable[[], None] = lambda: None, idle_s: float = IDLE_RELEASE_S,
+                 on_idle: Callable[[], bool] = lambda: False, idle_s: float = IDLE_RELEASE_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._probe = probe
         self._timeout_s = timeout_s
@@ -180,9 +182,15 @@ class Courier:
     def _idle(self) -> None:
         self.counters["idle_releases"] += 1
         try:
-            self._on_idle()
+            again = self._on_idle()
         except Exception:
             log.exception("hisparse host pool: idle release failed")
+            again = True
+        if again:
+            with self._cond:
+                if self._idle_done:  # no step came meanwhile: call again after another idle_s
+                    self._idle_done = False
+                    self._last_step = self._clock()
 
     def _set_answering(self, answering: bool, why: str = "", *, quiet: bool = False) -> None:
         """``quiet``: a late answer on a busy machine is likely; only a call that failed warns."""

@@ -312,21 +312,23 @@ class DaemonHostBlockPool(LookupPins, StepBatches, SharedEventQueueBlockPool):
         self._batch_job = None
         self._apply_batch(batch)
 
-    def _on_idle(self) -> None:
-        """On the courier thread, no step for a while: give back the stock vLLM's requests do not
-        need and send every queued unpin and publish (vLLM does not step an idle engine)."""
+    def _on_idle(self) -> bool:
+        """On the courier thread, no step for a while (vLLM does not step an idle engine): give
+        back the stock running requests do not need, send queued publishes and unpins. True
+        while something is still queued (an unpin waits one batch): the courier calls again."""
         with self._lock:
             self._collect()
             if self._batch_job is not None:
-                return
+                return True
             self._drop_lookup_pins()
-            batch = self._build_batch(refill=False, mirror=False, unpin_all=True)
+            batch = self._build_batch(refill=False, mirror=False, idle=True)
         try:
             batch.run(self._ops)
         except HisparseError as exc:
-            log.info("hisparse host pool: idle release not answered (%s); the next step sends it", exc)
+            log.info("hisparse host pool: idle release not answered (%s); sent again later", exc)
         with self._lock:
             self._apply_batch(batch)
+            return bool(self._unpins_now or self._unpins_next or self._to_publish or self._aborts)
 
     def _submit(self, fn: Callable[[], Any], apply: Callable[[Job], Any]) -> Job:
         job = self._courier.submit(fn)

@@ -157,14 +157,14 @@ class StepBatches:
     step_blocks: int
     # and, from DaemonHostBlockPool: _release(page), _forget_hash(block), _stock_target(idle=)
 
-    def _build_batch(self, *, refill: bool, mirror: bool, unpin_all: bool = False) -> Batch:
+    def _build_batch(self, *, refill: bool, mirror: bool, idle: bool = False) -> Batch:
+        """``idle``: no step came for a while; the stock keeps only what running requests need.
+        Unpins wait one batch either way: a worker step may still read a page freed in the last."""
         batch = Batch(placeholders={})
         self._take_publishes(batch)
         ready, self._unpins_now, self._unpins_next = self._unpins_now, self._unpins_next, []
-        if unpin_all:  # idle: no step is running, nothing still reads them
-            ready, self._unpins_now = ready + self._unpins_now, []
         batch.unpins = _by_session(ready)
-        batch.aborts, self._aborts = self._aborts + self._take_surplus(idle=unpin_all), []
+        batch.aborts, self._aborts = self._aborts + self._take_surplus(idle=idle), []
         target = self._stock_target()
         if refill and len(self._stock) < target:
             batch.reserve = Reserve(self._placeholders(target - len(self._stock)))

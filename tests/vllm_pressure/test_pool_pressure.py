@@ -53,10 +53,11 @@ def test_idle_engines_give_back_their_stock_and_send_their_unpins(hisparsed, mod
     # vLLM does not step an engine without requests: nothing flushes any more, and
     # within a bounded time (a few times IDLE_RELEASE_S) the pools give back all
     # they hold; page 0 stays withheld by the engine that drew it (one page)
-    wait_for(lambda: all(e.pool.held_pages == 0 for e in engines), "idle pools holding nothing",
-             timeout_s=10 * IDLE_RELEASE_S + 10)
-    reserved, pinned = namespace_holds(engines[0])
-    assert pinned == 0 and reserved <= 1, (reserved, pinned)
+    def released() -> bool:
+        reserved, pinned = namespace_holds(engines[0])
+        return pinned == 0 and reserved <= 1 and all(e.pool.held_pages == 0 for e in engines)
+
+    wait_for(released, "idle engines holding nothing but page 0", timeout_s=10 * IDLE_RELEASE_S + 10)
 
 
 def test_a_lookup_that_waits_for_the_indexer_never_lends_its_pins_to_another_request(
