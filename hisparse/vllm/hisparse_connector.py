@@ -18,8 +18,10 @@ host blocks from one namespace (``host_region.derive_namespace``) through
 the daemon. Scheduler side: ``bind_kv_cache_manager`` lets vLLM build its
 coordinator, then swaps the host group's ``BlockPool`` for a
 ``DaemonHostBlockPool`` and has every prefix lookup pin the other engines'
-pages it may hit first; ``build_connector_meta`` flushes the step's daemon
-work (one batch) and names the fence files the step's pages need. Worker
+pages it may hit first, and admission hold each running request's growth
+(``admission``); ``build_connector_meta`` flushes the step's daemon work
+(one batch, sent by the pool's own thread: ``courier``) and names the fence
+files the step's pages need. Worker
 side: vLLM's host pool is a ``RegionHostPool`` over the region, so vLLM's
 HiSparse kernels and copies read and write the node's pages. It is made at
 vLLM's first request for the pool by the hook that ``hisparse.vllm.plugin``
