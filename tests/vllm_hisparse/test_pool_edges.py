@@ -1,6 +1,8 @@
-"""DaemonHostBlockPool's edges: page 0, duplicate publication, stale mirror, one batch per step."""
+"""DaemonHostBlockPool's edges: page 0, duplicate publication, stale mirror, one batch per step, free counts, stalls."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -109,3 +111,37 @@ def test_a_prefix_that_just_finished_is_a_held_hit_while_the_daemon_is_stopped(h
     a.finish(again)
     for _ in range(3):
         a.step()
+
+
+def test_lookup_pins_no_request_took_are_never_counted_as_free_blocks(sides):
+    # Request X's lookup pinned another engine's pages, then X was skipped (the
+    # indexer connector answered RETRY); request Y is admitted in the same pass. The
+    # free count used to include X's pins, so Y was admitted against pages the pool
+    # cannot hand out and get_new_blocks raised ValueError out of schedule().
+    a = sides(num_host_blocks=16, step_blocks=2, name="A")
+    ra = a.add("ra", PROMPT)
+    assert a.admit(ra) == 0
+    a.write(ra)
+    a.publish(ra)
+    a.step()
+    a.finish(ra)
+    a.step()
+    a.step()  # A's 6 pages are committed and unpinned
+    a.close()
+    b = sides(num_host_blocks=16, step_blocks=2, name="B")
+    hog = sides(num_host_blocks=16, step_blocks=2, name="hog")
+    stats = hog.pool._ops.client.stats()["namespaces"][hog.namespace]
+    hog.pool._refill(int(stats["free_pages"]) - 1)  # (+ page 0, withheld) every free page; A's stay
+    x = b.add("x", PROMPT)
+    blocks, hit, _ = b.manager.get_computed_blocks(x)  # pins A's first 5 pages; x goes no further
+    assert hit == 20 and len(b.pool._lookup) == 5
+    y = b.add("y", list(range(700, 712)))  # 3 blocks, none cached
+    assert b.admit(y) is None  # no pages now: y waits (it raised ValueError before)
+    assert b.pool.get_num_free_blocks() == len(b.pool._stock) < 3
+    hog.close()  # room again, once the daemon has let the hog's pages go
+    deadline = time.monotonic() + 30
+    while b.admit(y) is None:
+        assert time.monotonic() < deadline, "y never got its blocks"
+        b.step()
+        time.sleep(0.05)
+    assert len(b.host_blocks(y)) == 3
