@@ -6,6 +6,8 @@ import time
 
 import pytest
 
+from tests.vllm_hisparse.engine import SchedulerSide
+
 
 PROMPT = list(range(100, 124))
 
@@ -43,9 +45,9 @@ def test_a_block_published_twice_stays_private_and_goes_back_to_the_stock(sides)
     assert set(b.host_blocks(again)[:5]) == set(a.host_blocks(ra)[:5])
 
 
-def test_a_page_evicted_since_the_mirror_saw_it_is_a_miss_never_a_foreign_page(sides):
+def published_and_let_go(sides) -> SchedulerSide:
+    """Engine A computes PROMPT, publishes its 6 pages and finishes: they are committed, unpinned."""
     a = sides(num_host_blocks=16, step_blocks=2, name="A")
-    b = sides(num_host_blocks=16, step_blocks=2, name="B")
     ra = a.add("ra", PROMPT)
     assert a.admit(ra) == 0
     a.write(ra)
@@ -53,7 +55,13 @@ def test_a_page_evicted_since_the_mirror_saw_it_is_a_miss_never_a_foreign_page(s
     a.step()
     a.finish(ra)
     a.step()
-    a.step()  # A's pages are unpinned: evictable
+    a.step()
+    return a
+
+
+def test_a_page_evicted_since_the_mirror_saw_it_is_a_miss_never_a_foreign_page(sides):
+    b = sides(num_host_blocks=16, step_blocks=2, name="B")
+    published_and_let_go(sides)  # A's pages are evictable
     b.pool._mirror.refresh()
     assert len(b.pool._mirror) == 6
     b.pool._mirror.max_age_s = 1e9  # B's mirror goes stale
@@ -118,16 +126,7 @@ def test_lookup_pins_no_request_took_are_never_counted_as_free_blocks(sides):
     # indexer connector answered RETRY); request Y is admitted in the same pass. The
     # free count used to include X's pins, so Y was admitted against pages the pool
     # cannot hand out and get_new_blocks raised ValueError out of schedule().
-    a = sides(num_host_blocks=16, step_blocks=2, name="A")
-    ra = a.add("ra", PROMPT)
-    assert a.admit(ra) == 0
-    a.write(ra)
-    a.publish(ra)
-    a.step()
-    a.finish(ra)
-    a.step()
-    a.step()  # A's 6 pages are committed and unpinned
-    a.close()
+    published_and_let_go(sides).close()
     b = sides(num_host_blocks=16, step_blocks=2, name="B")
     hog = sides(num_host_blocks=16, step_blocks=2, name="hog")
     stats = hog.pool._ops.client.stats()["namespaces"][hog.namespace]
