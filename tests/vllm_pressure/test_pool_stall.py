@@ -4,8 +4,8 @@ A stopped daemon (SIGSTOP: the connection stays up, nothing answers) used
 to cost the scheduler thread up to ``timeout_s`` per daemon call (steps of
 1.0 s, every running request frozen), and a request sharing a prefix with
 one that had just finished crashed ``schedule()`` ("host page N touched but
-not held"). Here one engine serves a steady stream of requests, each the
-same prompt as the one that finished last, while the daemon is stopped for
+not held"). Here one engine serves a steady stream of requests, every other
+one the prompt of the request that finished last, while the daemon is stopped for
 ``FAULT_S`` (then continued), killed (then started again) or restarted at
 once; every step of vLLM's ``schedule()`` is timed. The scheduler must stay
 bounded (``courier.STEP_BUDGET_S`` per step at most for the daemon, one
