@@ -60,13 +60,14 @@ class Growth:
 
     def growth_pages(self) -> int:
         """Pages the running requests still need to reach their final length."""
-        return sum(max(0, final - self.held_pages(r)) for r, final in self.final_pages.items())
+        # a copy: the courier's idle release reads this while vLLM's thread may admit
+        return sum(max(0, final - self.held_pages(r)) for r, final in list(self.final_pages.items()))
 
     def wanted_pages(self) -> int:
         """Stock to keep: the running requests' growth, at least the floor (0 when none runs)."""
         if not self.final_pages:
             return 0
-        in_use = sum(self.held_pages(r) for r in self.final_pages)
+        in_use = sum(self.held_pages(r) for r in list(self.final_pages))
         return max(self.growth_pages(), self.floor_pages - in_use)
 
     def held_back(self, request_id: str, num_tokens: int) -> int:
