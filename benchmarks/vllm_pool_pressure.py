@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,25 +49,19 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from tests.conftest import QUOTAS_OFF, Daemon
-    from tests.vllm_hisparse.pressure import Workload, close_all, drive, make_engines
+    from tests.conftest import QUOTAS_OFF
+    from tests.vllm_hisparse.pressure import Workload, close_all, drive, make_engines, scratch_daemon
     from tests.vllm_hisparse.real_engine import write_model_dir
 
-    work = tempfile.mkdtemp(prefix="hisparse-pool-pressure-")
-    shm = tempfile.mkdtemp(prefix="hisparse-pool-pressure-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    os.makedirs(os.path.join(work, "d"))
     quotas = list(QUOTAS_OFF) if args.lift_quotas else []
-    daemon = Daemon(os.path.join(work, "d", "hisparsed.sock"), shm, ["--capacity", "256MiB", *quotas],
-                    {**os.environ, "PYTHONUNBUFFERED": "1"}, os.path.join(work, "hisparsed.log"))
-    daemon.start()
-    model_dir = write_model_dir(os.path.join(work, "model"))
-    print(f"{args.requests} requests in all, {args.prompt_blocks} -> {args.final_blocks} blocks of 64 tokens, "
-          f"{args.pages} host pages in all, max_model_len {args.max_model_len}; hisparsed "
-          f"{'quotas lifted' if args.lift_quotas else 'shipped defaults'}\n")
-    print("| engines | pool | requests finished | preemptions | tokens recomputed | exceptions "
-          "| steps | longest step ms | held when idle |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    try:
+    with scratch_daemon("hisparse-pool-pressure-", *quotas) as (daemon, work):
+        model_dir = write_model_dir(os.path.join(work, "model"))
+        print(f"{args.requests} requests in all, {args.prompt_blocks} -> {args.final_blocks} blocks of 64 "
+              f"tokens, {args.pages} host pages in all, max_model_len {args.max_model_len}; hisparsed "
+              f"{'quotas lifted' if args.lift_quotas else 'shipped defaults'}\n")
+        print("| engines | pool | requests finished | preemptions | tokens recomputed | exceptions "
+              "| steps | longest step ms | held when idle |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for count in [int(x) for x in args.engines.split(",")]:
             workload = Workload(requests_per_engine=args.requests // count, prompt_blocks=args.prompt_blocks,
                                 final_blocks=args.final_blocks, max_model_len=args.max_model_len)
@@ -91,10 +83,6 @@ def main() -> None:
                       f"| {row['steps']} | {row['max_step_ms']} | {held} |", flush=True)
                 for trace in result.exceptions[:1]:
                     print(trace, file=sys.stderr)
-    finally:
-        daemon.kill()
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

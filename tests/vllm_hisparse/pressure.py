@@ -14,8 +14,13 @@ out of ``schedule()``, and every step's wall time. Used by
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,3 +117,23 @@ def drive(engines: list[Engine], workload: Workload, *, max_steps: int = 4000,
 def close_all(engines: list[Engine]) -> None:
     for engine in engines:
         engine.close()
+
+
+@contextlib.contextmanager
+def scratch_daemon(prefix: str, *args: str) -> Iterator[tuple[Any, str]]:
+    """A real hisparsed (``args`` added) on a scratch socket and shm directory, outside pytest
+    (the benchmarks): ``(daemon, work directory)``, killed and removed afterwards."""
+    from tests.conftest import Daemon
+
+    work = tempfile.mkdtemp(prefix=prefix)
+    shm = tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.makedirs(os.path.join(work, "d"))
+    daemon = Daemon(os.path.join(work, "d", "hisparsed.sock"), shm, ["--capacity", "256MiB", *args],
+                    {**os.environ, "PYTHONUNBUFFERED": "1"}, os.path.join(work, "hisparsed.log"))
+    daemon.start()
+    try:
+        yield daemon, work
+    finally:
+        daemon.kill()
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
