@@ -260,23 +260,36 @@ class LinkerEngine:
 
     def get(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """Match and load ``tokens`` as the scheduler would: (KV bytes, indexer bytes, failed rids)."""
+        req = self.match(tokens)
+        if req is None:
+            empty = torch.empty(0, dtype=torch.int64)
+            return self._rows(empty), self._index_rows(empty), []
+        (kv, indexer), failed = self.load([req])
+        return kv[0], indexer[0], failed
+
+    def match(self, tokens: list[int]) -> Any:
+        """A new request's ``match_prefix`` (the linker's lookup): the request, or None on no hit."""
         req = self.kit._make_req(self.req_to_token_pool)
         self._rid += 1
         req.rid = f"linker-req-{self._rid}"
         self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=req))
+        return req if self.cache.linker.has_hit(req.rid) else None
+
+    def load(self, reqs: list[Any]) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], list[str]]:
+        """One batch: load the requests' hits, consume the layers as a forward would, finish:
+        ((KV bytes per request, indexer bytes per request), failed rids)."""
         wrapper = self.cache.linker
-        if not wrapper.has_hit(req.rid):
-            empty = torch.empty(0, dtype=torch.int64)
-            return self._rows(empty), self._index_rows(empty), []
-        loaded, _ = wrapper.load_back(req)
-        indices = wrapper.private_load_indices[req.rid]
+        rows = []
+        for req in reqs:
+            loaded, _ = wrapper.load_back(req)
+            rows.append(wrapper.private_load_indices[req.rid][:loaded])
         index = self.cache.ready_to_load_host_cache()
         counter = wrapper.layer_done_counter
         counter.set_consumer(index)
         for layer in range(self.kv_pool.layer_num):  # the forward waits on each layer
             counter.wait_until(layer)
         failed = wrapper.finish_loads()
-        return self._rows(indices[:loaded]), self._index_rows(indices[:loaded]), failed
+        return ([self._rows(r) for r in rows], [self._index_rows(r) for r in rows]), failed
 
     def close(self) -> None:
         self.linker.close()
