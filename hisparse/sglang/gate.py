@@ -99,15 +99,17 @@ class Gate:
                 self._wake.wait(wait_s)
                 continue
             started = self._clock()
-            if self._probe() and (self._on_up is None or self._on_up()):
-                with self._lock:
-                    if self._clock() >= self._reopen_at:
-                        self._open()
-                        self._prober = None  # the next close starts another
-                        return
+            if not self._probe():
+                if self._clock() - started < PROBE_PAUSE_S:
+                    self._wake.wait(PROBE_PAUSE_S)
                 continue
-            if self._clock() - started < PROBE_PAUSE_S:
-                self._wake.wait(PROBE_PAUSE_S)
+            if self._on_up is not None and not self._on_up():
+                self._reopen_at = self._clock() + self.down_s  # an attach refused: not every ping
+                continue
+            with self._lock:
+                self._open()
+                self._prober = None  # the next close starts another
+                return
 
     def close(self) -> None:
         """Stop probing (the engine shuts down)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -130,6 +131,40 @@ def test_linker_keeps_the_scheduler_bounded_while_the_daemon_is_stopped(hisparse
     kv2, _ = writer.put(fresh, seed=99)
     got, _, failed = reader.get(fresh)
     assert failed == [] and torch.equal(got, kv2)
+
+
+def test_linker_keeps_the_scheduler_bounded_while_the_daemon_only_answers_now_and_then(
+        hisparsed, linker_pair):
+    # Slowed, not stopped: the daemon runs 0.1 s in every second (a flood, swapping). Each
+    # window the probe hears it and reopens the gate, and at most one lookup per window pays
+    # the budget; every other lookup misses without asking, or is answered.
+    _, reader = linker_pair
+    page = reader.page_size
+    assert reader.match(tokens(0, 2, page)) is None  # SGLang's first page hashing builds its kernel
+    clock = Clock()
+    done = threading.Event()
+
+    def cycle() -> None:
+        while not done.is_set():
+            with stopped(hisparsed):
+                done.wait(0.9)
+            done.wait(0.1)
+
+    cycler = threading.Thread(target=cycle, daemon=True)
+    cycler.start()
+    try:
+        started, n = time.monotonic(), 0
+        while time.monotonic() - started < 2 * STALL_S:
+            n += 1
+            assert clock.run("lookup", reader.match, tokens(1000 * n, 2, page)) is None
+            time.sleep(0.1)  # a step's compute
+    finally:
+        done.set()
+        cycler.join(10)
+    name, slowest_s = clock.slowest()
+    assert slowest_s < STEP_BOUND_S, f"{name} held the scheduler {slowest_s:.2f} s"
+    windows = 2 * STALL_S / 2.0  # down_s: one lookup budget per window at most
+    assert clock.total_s < OUTAGE_BOUND_S + windows * STEP_BOUND_S, f"{clock.total_s:.2f} s in {2 * STALL_S} s"
 
 
 def test_linker_load_after_a_daemon_restart_recomputes_then_hits(hisparsed, linker_pair):
