@@ -141,8 +141,9 @@ class HisparseLinker(UnifiedCacheLinker):
                          else derive_namespace(geometry, storage_config))
             self.lanes[name] = Lane(str(name), entry, geometry, namespace, PinHolds(self.config.hold_s))
         for lane in self.lanes.values():  # a layout mismatch raises here; an absent daemon does not
-            lane.client = connect_client(self.config, lane.namespace, lane.geometry, self.gate,
-                                         f"sglang linker {lane.pool}")
+            if self.gate.allows():  # else the gate's probe attaches them once the daemon answers
+                lane.client = connect_client(self.config, lane.namespace, lane.geometry, self.gate,
+                                             f"sglang linker {lane.pool}")
         self.layer_done_counter = LoadCounter(self.num_layers)
         self.pending_loads: dict[str, list[PoolTransfer]] = {}
         self.offload_results: queue.Queue[bool] = queue.Queue()

@@ -230,3 +230,36 @@ def test_storage_backend_holds_an_io_thread_one_timeout_per_outage(hisparsed):
             reader.close()
     finally:
         engine.close()
+
+
+def test_a_linker_started_while_the_daemon_is_stopped_attaches_off_the_scheduler(hisparsed):
+    # The daemon's socket is there but nothing answers: the engine starts without the tier
+    # (its start waits timeout_s once), and its lookups miss without waiting for an attach
+    # (one was made on the scheduler thread, a full timeout_s, each down_s).
+    with stopped(hisparsed):
+        writer = LinkerEngine(hisparsed.socket, kv_size=64 * 128, extra=CAPACITY)
+    try:
+        page = writer.page_size
+        clock = Clock()
+        with stopped(hisparsed):
+            assert not writer.linker.gate.up
+            started, n = time.monotonic(), 0
+            while time.monotonic() - started < STALL_S:
+                n += 1
+                assert clock.run("lookup", writer.match, tokens(1000 * n, 2, page)) is None
+                time.sleep(0.1)  # a step's compute
+        name, slowest_s = clock.slowest()
+        assert slowest_s < STEP_BOUND_S, f"{name} held the scheduler {slowest_s:.2f} s"
+
+        wait_for(lambda: writer.linker.gate.up, "the probe to attach the lanes", timeout_s=20)
+        assert all(lane.client is not None for lane in writer.linker.lanes.values())
+        prefix = tokens(700_000, 2, page)
+        kv, _ = writer.put(prefix, seed=3)
+        reader = LinkerEngine(hisparsed.socket, kv_size=64 * 128, extra=CAPACITY)
+        try:
+            got, _, failed = reader.get(prefix)
+            assert failed == [] and torch.equal(got, kv)
+        finally:
+            reader.close()
+    finally:
+        writer.close()
