@@ -40,6 +40,8 @@ PROBE_PAUSE_S = 0.05  # between pings that failed at once (the socket is gone: a
 
 
 class Gate:
+    """Open while the daemon answers; closed by the first silence, reopened by its probe."""
+
     def __init__(self, down_s: float, name: str, probe: Callable[[], bool] | None = None,
                  on_up: Callable[[], bool] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.down_s = down_s
@@ -57,8 +59,9 @@ class Gate:
         self.trips = 0
 
     def allows(self) -> bool:
-        """True when a request may be made: the gate is open. Never asks the daemon."""
-        return self.up
+        """True when a request may be made: the gate is open (or, for a gate with no probe,
+        its window has passed: the next request is the probe). Never asks the daemon."""
+        return self.up or (self._probe is None and self._clock() >= self._reopen_at)
 
     def failed(self, what: str, exc: HisparseError | None = None) -> None:
         """A request got no answer (or the daemon refused an attach): close, probe in the background."""

@@ -101,7 +101,11 @@ def test_eviction_between_exists_and_get_cannot_take_a_pinned_hit(sglang_engines
         assert store.batch_get_v1(keys, dst) == [True] * 4
         assert torch.equal(read_back(engine, dst, 4), pages)
 
-        # unpinned (the hold ran out), the same flood evicts them: a short read, never wrong bytes
+        # unpinned (read; the unpin goes in the background, never waited for on SGLang's IO
+        # thread), the same flood evicts them: a short read, never wrong bytes
+        from tests.waiting import wait_for
+
+        wait_for(lambda: other.stats()["namespaces"]["test/evict/kv"]["pinned_pages"] == 0, "the unpins")
         assert other.store([bytes.fromhex(k) for k in page_keys("flood2", region_pages)],
                            torch.zeros((region_pages, tier.geometry.page_bytes), dtype=torch.uint8)) > 0
     dst3, before = host_pages(engine, 4, seed=6)
