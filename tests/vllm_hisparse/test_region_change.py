@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("transformers.models.deepseek_v32")
 
@@ -57,6 +58,36 @@ def resize(daemon, namespace: str, tmp_path) -> dict:
 CHANGES = {"drop --force": drop_force, "--fresh restart": fresh_restart, "resize": resize}
 
 
+def record_new_blocks(pool) -> list[int]:
+    """The host block ids ``pool.get_new_blocks`` hands vLLM from now on, in order (one request:
+    its blocks in token order)."""
+    handed_out: list[int] = []
+    original = pool.get_new_blocks
+
+    def get_new_blocks(num_blocks: int):
+        blocks = original(num_blocks)
+        handed_out.extend(b.block_id for b in blocks)
+        return blocks
+
+    pool.get_new_blocks = get_new_blocks
+    return handed_out
+
+
+def worker_bytes_ok(started, tokens: list[int], pages: list[int]) -> bool:
+    """Whether the worker's own mapping (vLLM's host tensor) holds ``tokens``' KV at ``pages``."""
+    from tests.vllm_hisparse.engine import token_bytes
+
+    pool = started.connector.worker_pool
+    lay = pool.geometry.layout
+    view = pool.backing.view(torch.uint8).numpy().reshape(lay.num_layers, pool.geometry.num_blocks, -1)
+    for index, page in enumerate(pages):
+        for layer in range(lay.num_layers):
+            want = token_bytes(tokens[index * 64:(index + 1) * 64], lay.row_bytes, layer).reshape(-1)
+            if not (view[layer, page, :want.size] == want).all():
+                return False
+    return True
+
+
 @pytest.fixture
 def one_stage(monkeypatch):
     """vLLM's pipeline group, of one stage: ``Worker.get_kv_connector_handshake_metadata`` reads it."""
@@ -87,8 +118,10 @@ def test_a_region_changed_under_a_running_engine_never_serves_another_engine_byt
     first = a.add("a1", PROMPT, max_tokens=8)
     drive(a, loop)
     old_region = started.connector.worker_pool.client.session.region_key
+    held_before = set(a.pool._reserved)  # A's reservations in the region its worker maps
     b_settings = CHANGES[change](hisparsed, a.connector.namespace, tmp_path)
     # A keeps serving: a new request, after the change, is computed and finishes
+    handed_out = record_new_blocks(a.pool)
     second = a.add("a2", SECOND, max_tokens=8)
     drive(a, loop)
     assert second.is_finished()
@@ -103,6 +136,9 @@ def test_a_region_changed_under_a_running_engine_never_serves_another_engine_byt
     # A says so, once; its worker still maps the region it started with
     assert a.pool.counters["region_changes"] == 1 and "restart this engine" in a.pool.tier_left
     assert started.connector.worker_pool.region_key == old_region
+    # ...and served a2 on pages it had reserved there, which hold a2's KV in its worker's mapping
+    assert len(handed_out) >= len(SECOND) // 64 and set(handed_out) <= held_before
+    assert worker_bytes_ok(started, SECOND, handed_out[:len(SECOND) // 64])
     # A gave back what its client held on the new region
     wait_for(lambda: a.pool._ops.client._sessions.closed, "A's scheduler client to close")
     # and the tier still works for engines on the new region: B serves a2's prompt, C finds it
