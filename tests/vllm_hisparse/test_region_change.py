@@ -109,7 +109,7 @@ def handshake(engine, worker_dicts: list) -> None:
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_a_region_changed_under_a_running_engine_never_serves_another_engine_bytes_not_written(
-        world, hisparsed, tmp_path, one_stage, change):
+        world, hisparsed, tmp_path, one_stage, caplog, change):
     worker_pool.install_hook()
     a = world.engine()
     started = world.worker(extensible=True, cudagraphs=True)
@@ -135,6 +135,7 @@ def test_a_region_changed_under_a_running_engine_never_serves_another_engine_byt
         assert pages == []  # A left the tier: nothing of its went to the new region
     # A says so, once; its worker still maps the region it started with
     assert a.pool.counters["region_changes"] == 1 and "restart this engine" in a.pool.tier_left
+    assert [r.levelname for r in caplog.records if "leaves the tier" in r.getMessage()] == ["WARNING"]
     assert started.connector.worker_pool.region_key == old_region
     # ...and served a2 on pages it had reserved there, which hold a2's KV in its worker's mapping
     assert len(handed_out) >= len(SECOND) // 64 and set(handed_out) <= held_before
