@@ -162,3 +162,33 @@ def test_a_worker_on_another_region_than_its_scheduler_is_refused_at_start(world
     a = world.engine()
     with pytest.raises(RegionChanged, match="start the engine again"):
         handshake(a, [worker_dict])
+
+
+def test_an_engine_whose_region_changed_never_loads_the_new_regions_pages(world, hisparsed, tmp_path):
+    # A's worker maps the old region; B, started after the drop, publishes a prompt in the new
+    # one. A then gets that prompt: a hit would have A's worker read the old mapping at page ids
+    # of the new region. A computes it instead, into pages it reserved before.
+    worker_pool.install_hook()
+    a = world.engine()
+    started = world.worker(extensible=True, cudagraphs=True)
+    loop = ModelLoop(started, lambda r: a.scheduler.requests[r].all_token_ids, world.log)
+    a.add("a1", PROMPT, max_tokens=2)
+    drive(a, loop)
+    held_before = set(a.pool._reserved)
+    drop_force(hisparsed, a.connector.namespace, tmp_path)
+    b = world.engine()
+    b.add("b1", SECOND, max_tokens=2)
+    b.run()
+    assert len(b.host_lookup(SECOND)) == 6  # in the new region, for engines that map it
+    prompt = SECOND + list(range(8000, 8010))
+    # A's own lookup (vLLM's, pinning first): what it finds, A's worker reads in its mapping
+    for _ in range(2):  # the first pass may only resync A's key mirror
+        pages = a.host_lookup(prompt)
+        assert worker_bytes_ok(started, prompt, pages), pages
+    assert pages == []
+    handed_out = record_new_blocks(a.pool)
+    a.add("a3", prompt, max_tokens=2)
+    drive(a, loop)
+    assert loop.scheduled["a3"] == len(prompt) + 1  # every prompt token computed by A's model
+    assert set(handed_out) <= held_before and worker_bytes_ok(started, prompt, handed_out[:6])
+    assert a.pool.counters["region_changes"] == 1
