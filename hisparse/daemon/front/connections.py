@@ -90,6 +90,28 @@ def _shutdown_if_ours(fd: int, path: str) -> bool:
         sock.detach()
 
 
+def monitor_reader(router: zmq.Socket, events: int) -> zmq.Socket:
+    """The PAIR socket that receives ``router``'s monitor events, with no bound on its queue.
+
+    libzmq's I/O thread sends each event with a blocking send while it holds
+    the router's monitor lock. With the default bounds (1,000 + 1,000 events)
+    a thousand connects and closes the loop does not read (at shutdown, when
+    it has stopped reading them) fill the pipe, that thread blocks for good,
+    and ``disable_monitor()`` then waits on the lock forever: SIGTERM never
+    completes. ``RCVHWM`` 0 on the reader, set before it connects (libzmq
+    sizes an inproc pipe at connect, and a 0 on either end bounds nothing),
+    means no event send ever blocks; the events wait in memory until read.
+    """
+    # A name of its own: pyzmq's default names it by the router's descriptor number, which a
+    # later daemon in the same process (the in-process tests) may get while the old one lingers.
+    addr = f"inproc://hisparsed-monitor-{os.urandom(8).hex()}"
+    router.monitor(addr, events)
+    reader = router.context.socket(zmq.PAIR)
+    reader.setsockopt(zmq.RCVHWM, 0)
+    reader.connect(addr)
+    return reader
+
+
 class ConnectionGuard:
     def __init__(self, router: zmq.Socket, limits: Limits, socket_path: str, endpoint: str) -> None:
         self.limits = limits
@@ -98,10 +120,7 @@ class ConnectionGuard:
         # The Cython socket's own recv: pyzmq's Python-level layer costs more than the read.
         self._recv = zmq.backend.Socket.recv.__get__(router)
         self.endpoint = endpoint
-        # A name of its own: pyzmq's default names it by the router's descriptor number, which a
-        # later daemon in the same process (the in-process tests) may get while the old one lingers.
-        self.monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED,
-                                                 addr=f"inproc://hisparsed-monitor-{os.urandom(8).hex()}")
+        self.monitor = monitor_reader(router, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.open: dict[int, int | None] = {}  # descriptor -> uid of an admitted connection
         self.uid_connections: Counter[int | None] = Counter()
         self.refusing: dict[int, tuple[float, str]] = {}  # descriptor -> (deadline, message)
