@@ -307,10 +307,9 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._events.removed(removed)
 
     def _on_lost(self, keys: list[bytes]) -> None:
-        # A restarted daemon (or an expired lease) dropped these pins: the next
-        # lookups pin the keys again. Reservations of the lost session stay
-        # until their complete_store (the worker may still hold the fence);
-        # their commit is then refused and dropped.
+        # A restarted daemon (or an expired lease) dropped these pins: the next lookups pin the
+        # keys again. The lost session's reservations stay until their complete_store (the
+        # worker may still hold the fence); their commit is then refused and dropped.
         if keys:
             log.info("%d pinned keys lost with their hisparsed session", len(keys))
 
@@ -326,6 +325,8 @@ class HiSparseOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         try:
+            if not self._syncer.up:  # the scheduler's thread waits for no daemon known away
+                raise DaemonUnavailable("hisparsed does not answer")
             cleared = self._ops.clear()
         except DaemonUnavailable as exc:
             # A reset is a barrier: the clear goes as soon as the daemon answers (after the

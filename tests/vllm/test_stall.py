@@ -176,3 +176,31 @@ def test_a_killed_daemon_then_restarted_mid_run_costs_the_scheduler_little(vllm_
     assert snap["deadline_misses"] - misses <= 10  # the kill's, then doubling pauses: 0.1 s, 0.2 s ...
     stores_resume(engine, traffic)
     traffic.finish(traffic.ids)
+
+
+def test_a_reset_while_the_daemon_is_stalled_waits_for_nothing_and_clears_once_it_answers(vllm_engines):
+    engine, traffic, _ = warmed_up(vllm_engines)
+    daemon = vllm_engines.daemon
+    base = prompt(31, 64)
+    engine.add("before", base)
+    traffic.finish(["before"])
+    engine.drain()
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        stalled_ids, _ = traffic.serve(0.5)  # the scheduler sees the daemon away
+        wait_until(lambda: not snapshot(engine)["daemon_up"], what="the stall to be seen")
+        t0 = time.perf_counter()
+        assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+        reset_s = time.perf_counter() - t0
+        traffic.finish(stalled_ids)
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    # Before the fix the clear was sent from the scheduler's thread and waited out timeout_s.
+    assert reset_s < DEFAULT_TIMEOUT_S / 2, reset_s
+    wait_until(lambda: snapshot(engine)["pending_jobs"] == 0 and snapshot(engine)["daemon_up"],
+               what="the queued clear")
+    other = vllm_engines(engine_id="other")
+    other.add("after", base)
+    other.run(["after"])
+    assert other.mismatches == []
+    assert other.computed["after"] == len(base), "the pre-reset KV was loaded after the reset"
