@@ -6,8 +6,11 @@ shipped ``deadline_s`` and ``timeout_s``, stepping back to back while
 requests keep coming. Each case measures ``schedule()``'s step times: a
 stalled daemon (SIGSTOP: the connection stays up, nothing answers) costs
 the scheduler one ``deadline_s`` in all, not one per step until the daemon
-is marked away; no step raises, and every request finishes on the right
-bytes without waiting for the daemon.
+is marked away; a slowed one (stopped 40 ms of every 50) one per pause; a
+killed one nothing, and a restarted one, slow while it catches up, one per
+pause again; a reset while it is stalled waits for nothing. No step raises,
+every request finishes on the right bytes without waiting for the daemon,
+and once it answers again stores resume and later requests load them.
 """
 
 from __future__ import annotations
