@@ -25,13 +25,19 @@ import logging
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired, Timeout
 from hisparse.protocol import Op
 
-if TYPE_CHECKING:
-    from hisparse.client.session import ClientSession, Sessions
+
+class Sessions(Protocol):
+    """What ``Owed`` needs of the client's sessions (``hisparse.client.session.Sessions``)."""
+
+    timeout_s: float
+    closed: bool
+
+    def call_in(self, session: Any, op: Op, timeout_s: float, **fields: Any) -> Any: ...
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +59,7 @@ def new_tag() -> int:
 
 @dataclass
 class Release:
-    session: ClientSession
+    session: Any  # the ClientSession the holds were taken on
     op: Op  # ABORT (keys, tag) or UNPIN (tag)
     fields: dict[str, Any] = field(default_factory=dict)
 
@@ -68,7 +74,7 @@ class Owed:
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
 
-    def give_back(self, session: ClientSession, op: Op, *, wait: bool = False, **fields: Any) -> None:
+    def give_back(self, session: Any, op: Op, *, wait: bool = False, **fields: Any) -> None:
         """Release by tag on ``session``: sent at once and answered within the client's
         timeout with ``wait`` (a blocking call's clean-up), else queued; in both cases
         re-sent in the background while the daemon does not answer."""
