@@ -20,7 +20,7 @@ requests and they recompute, never on someone else's bytes.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,9 +100,11 @@ class LoadCounter(LayerWiseLoadCounter):
 
 
 def load_batch(lanes: dict[Any, Lane], counter: LoadCounter, index: int, num_layers: int, page_size: int,
-               transfers: list[tuple[Hashable, PoolTransfer]]) -> int:
+               transfers: list[tuple[Hashable, PoolTransfer]], landed: Callable[[], None]) -> int:
     """Copy a batch's pages layer by layer, completing ``counter``'s layers as they land
-    with their pins still held; ``LeaseExpired`` otherwise. Returns the pages loaded."""
+    with their pins still held; ``LeaseExpired`` otherwise. ``landed`` runs once every
+    layer has landed and been checked, before the last one completes (the pins may go:
+    the scheduler that waits on that layer then finds them let go). Returns the pages loaded."""
     plans = []  # (lane, region rows, device rows) per transfer
     pins: dict[int, Any] = {}  # every pin read from, by id
     for _, t in transfers:
@@ -132,5 +134,7 @@ def load_batch(lanes: dict[Any, Lane], counter: LoadCounter, index: int, num_lay
         lost = sum(1 for pin in pins.values() if not pin.held)
         if lost:  # copied under a hold that is gone: never trusted, from this layer on
             raise LeaseExpired(f"HisparseLinker: {lost} pins were lost during the load (layer {layer})")
+        if layer == num_layers - 1:
+            landed()
         counter.complete(index, layer)
     return sum(len(t.keys) for _, t in transfers)

@@ -278,17 +278,19 @@ class HisparseLinker(UnifiedCacheLinker):
         return self.layer_done_counter.finish(counter_index)
 
     def _load(self, index: int, batch: list[tuple[Hashable, PoolTransfer]], ready: Any) -> None:
+        def let_go() -> None:  # read (or failed): its pins go, in the background
+            for owner in {owner for owner, _ in batch if owner is not None}:
+                self._drop(owner)
+
         try:
             if ready is not None:
                 ready.synchronize()
             self.stats["loaded_pages"] += load_batch(self.lanes, self.layer_done_counter, index,
-                                                     self.num_layers, self.page_size, batch)
+                                                     self.num_layers, self.page_size, batch, let_go)
         except BaseException as exc:  # the batch's requests are aborted by SGLang
+            let_go()  # before the failure is seen: nothing of the batch stays held after it
             log.warning("hisparse linker load failed: %s", exc)
             self.layer_done_counter.fail(index, exc)
-        finally:
-            for owner in {owner for owner, _ in batch if owner is not None}:
-                self._drop(owner)  # read (or failed): its pins go, in the background
 
     # -- offloads: on a thread of their own --
 
