@@ -13,7 +13,10 @@ call's reserves took (never another thread's reservation of the same keys),
 releases nothing the second time, and the daemon refuses later requests of
 a released tag), so while the daemon does not answer it is simply sent again
 by a background thread until an answer comes or the session is gone (then
-the daemon released everything with it). The caller never waits for it.
+the daemon released everything with it). A call that failed while the daemon
+answered (a refused copy, Ctrl-C) waits once for its release's answer; one
+the daemon left unanswered (``Timeout``, ``DaemonUnavailable``) only queues
+it (``waits_after``), so the call costs its caller one timeout, never two.
 """
 
 from __future__ import annotations
@@ -40,6 +43,13 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 0.2  # between attempts while the daemon does not answer
 MAX_RELEASE_TIMEOUT_S = 1.0  # one attempt waits at most this long for its answer
+
+
+def waits_after(error: BaseException | None) -> bool:
+    """Whether a call's clean-up release may wait for its answer: not after the daemon left
+    the call itself unanswered (it would only wait the same deadline again); then the release
+    is queued and the caller returns at once, bounded by its one timeout."""
+    return not isinstance(error, (DaemonUnavailable, Timeout))
 
 
 def new_tag() -> int:
