@@ -57,6 +57,16 @@ LOG_INTERVAL_S = 5.0
 MAX_EVENTS_PER_READ = 256  # monitor events handled per call; more are read in the next one
 
 
+def _own_fd(fd: int | None, uid: int | None, pid: int | None) -> int | None:
+    """``fd`` when the kernel says its socket is the sender's (``uid``, ``pid``: libzmq's word
+    at accept), else None. A message a closed connection left queued still names its old
+    number, perhaps another tenant's connection by now, whose disconnect event was read
+    already: shedding that number for it shed the other (a junk flood lost other uids' pings)."""
+    if fd is None or uid is None:
+        return fd
+    return fd if peer_credentials(fd) == (uid, pid) else None
+
+
 def monitor_reader(router: zmq.Socket, events: int) -> zmq.Socket:
     """The PAIR socket that receives ``router``'s monitor events, with no bound on its queue.
 
@@ -295,6 +305,7 @@ class ConnectionGuard:
                 refusal = self.refusal_for(fd)
                 if refusal is None:
                     peer = self.limits.peer(identity, frame.get("Peer-Address"), fd)
+                    peer.fd = fd = _own_fd(fd, peer.uid, peer.pid)
                     known = True
                     if fd is not None and fd not in self.open and self.limits.in_large_backoff(peer.uid):
                         refusal = self._backoff_refusal(peer.uid)  # read before its accept event
