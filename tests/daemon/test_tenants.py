@@ -177,6 +177,19 @@ def test_namespaces_named_in_the_config_keep_their_slots_and_capacity(daemon_fac
 
 
 @needs_root
+def test_a_lone_uid_may_take_every_unnamed_slot_but_not_half_once_another_uid_made_one(tenant_daemon):
+    # 12 slots, the shipped peer_max_namespaces (32): a lone tenant is not held back by it
+    d = tenant_daemon("--max-namespaces", "12")
+    assert _create(d.socket, [f"mine-{i}" for i in range(12)]) == ["ok"] * 12  # root, alone
+    e = tenant_daemon("--max-namespaces", "12")
+    assert as_user(OTHER_UID, lambda: _create(e.socket, ["theirs"]))["ok"] == ["ok"]
+    got = as_user(ATTACKER_UID, lambda: _create(e.socket, [f"squat-{i}" for i in range(8)]))["ok"]
+    assert got[:6] == ["ok"] * 6, got  # half of the 12 slots, once another uid has one
+    assert got[6].startswith("QUOTA_EXCEEDED") and "peer_max_namespaces" in got[6], got
+    assert as_user(OTHER_UID, lambda: _create(e.socket, ["theirs-2"]))["ok"] == ["ok"]
+
+
+@needs_root
 def test_namespace_creation_is_limited_per_uid_and_stats_name_the_creator(tenant_daemon):
     d = tenant_daemon("--peer-max-namespaces", "2")
     got = as_user(ATTACKER_UID, lambda: _create(d.socket, ["a-0", "a-1", "a-2"]))["ok"]

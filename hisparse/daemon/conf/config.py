@@ -96,7 +96,8 @@ class Config:
     peer_pin_share: float | None = None
     peer_reserve_share: float | None = None
     # Namespaces one peer may create that the config does not name: half the slots, so a lone tenant
-    # never meets it (TP 8 of a DSA model: 16, a cluster check: 9) and another uid finds half free.
+    # never meets it (TP 8 of a DSA model: 16, a cluster check: 9); while another uid has made one,
+    # also at most half the unnamed slots (namespaces.py).
     peer_max_namespaces: int = 32
     namespaces: dict[str, NamespaceConfig] = field(default_factory=dict)
     # What the daemon admits (hisparse.daemon.policy.limits; a refusal is QUOTA_EXCEEDED naming the key).
