@@ -24,7 +24,6 @@ from hisparse.errors import DaemonUnavailable, Timeout
 from hisparse.protocol import Op
 from tests.client.engine import chain, pages_for
 from tests.client.test_call_tags import Stalled, ns_stats
-from tests.conftest import QUOTAS_OFF
 from tests.rawclient import RawClient
 from tests.waiting import wait_for
 
@@ -40,7 +39,7 @@ def test_a_pin_release_that_gets_no_answer_is_given_back_by_tag(daemon_factory, 
     # pinning call's tag must give back what it pinned; it was left pinned for the session's life.
     from hisparse.client.transport import MAX_IN_FLIGHT
 
-    d = daemon_factory(lease_ttl=30, extra=QUOTAS_OFF)
+    d = daemon_factory(lease_ttl=30)
     keys = chain("rel", 4)
     with client.attach(NS, LAYOUT, socket=d.socket, capacity=LAYOUT.page_bytes * 8,
                        timeout_s=TIMEOUT_S) as c:

@@ -89,12 +89,16 @@ class Config:
     default_namespace_capacity_bytes: int = 1 << 30
     min_page_bytes: int = 64  # a layout with smaller pages is refused (hello: INVALID_ARGUMENT)
     max_namespaces: int = 64
-    # Shares of a namespace's pages (quotas.py), per session and per peer (a uid; None: the session's).
+    # Shares of a namespace's pages (quotas.py), per session and per peer (a uid; None: the session's);
+    # they bind only while another session / another uid contends (contention.py): alone, all of it.
     session_pin_share: float = 0.5
     session_reserve_share: float = 0.5
     peer_pin_share: float | None = None
     peer_reserve_share: float | None = None
-    peer_max_namespaces: int = 8  # namespaces one peer may create that the config does not name
+    # Namespaces one peer may create that the config does not name: half the slots, so a lone tenant
+    # never meets it (TP 8 of a DSA model: 16, a cluster check: 9); while another uid has made one,
+    # also at most half the unnamed slots (namespaces.py).
+    peer_max_namespaces: int = 32
     namespaces: dict[str, NamespaceConfig] = field(default_factory=dict)
     # What the daemon admits (hisparse.daemon.policy.limits; a refusal is QUOTA_EXCEEDED naming the key).
     # A peer is a uid, as the kernel reports the connecting process.

@@ -57,6 +57,16 @@ LOG_INTERVAL_S = 5.0
 MAX_EVENTS_PER_READ = 256  # monitor events handled per call; more are read in the next one
 
 
+def _own_fd(fd: int | None, uid: int | None, pid: int | None) -> int | None:
+    """``fd`` when the kernel says its socket is the sender's (``uid``, ``pid``: libzmq's word
+    at accept), else None. Frames a closed connection left queued are read after its
+    disconnect event, and its number may be another tenant's connection by then: shedding
+    that number for them shed the other (a junk flood lost other uids' pings)."""
+    if fd is None or uid is None:
+        return fd
+    return fd if peer_credentials(fd) == (uid, pid) else None
+
+
 def monitor_reader(router: zmq.Socket, events: int) -> zmq.Socket:
     """The PAIR socket that receives ``router``'s monitor events, with no bound on its queue.
 
@@ -295,6 +305,7 @@ class ConnectionGuard:
                 refusal = self.refusal_for(fd)
                 if refusal is None:
                     peer = self.limits.peer(identity, frame.get("Peer-Address"), fd)
+                    peer.fd = fd = _own_fd(fd, peer.uid, peer.pid)
                     known = True
                     if fd is not None and fd not in self.open and self.limits.in_large_backoff(peer.uid):
                         refusal = self._backoff_refusal(peer.uid)  # read before its accept event
@@ -314,8 +325,9 @@ class ConnectionGuard:
         if peer is not None and peer.fd in self.refusing:
             return ""  # told once already; being shed
         refusal = self.limits.admit_large_frame(identity, size, per_connection_bytes)
-        if refusal is not None and peer is not None and peer.fd is not None:
-            self._shed(peer.fd, time.monotonic() + 0.05)  # this reply goes first
+        fd = _own_fd(peer.fd, peer.uid, peer.pid) if peer is not None else None
+        if refusal is not None and fd is not None:
+            self._shed(fd, time.monotonic() + 0.05)  # this reply goes first
             self._count_refusal()  # shed senders reconnect: a storm of them closes the door
         return refusal
 
@@ -334,7 +346,9 @@ class ConnectionGuard:
             return
         self.limits.refused["max_request_bytes_in_flight"] += 1
         self.limits.large_backoff_for(peer.uid)
-        self._shed(peer.fd, time.monotonic() + 0.05)
+        fd = _own_fd(peer.fd, peer.uid, peer.pid)  # None: closed, its number maybe another's now
+        if fd is not None:
+            self._shed(fd, time.monotonic() + 0.05)
         self._count_refusal()
 
     def stats(self) -> dict[str, Any]:

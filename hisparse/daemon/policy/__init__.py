@@ -6,6 +6,7 @@
 - ``proclocks``  which processes hold a fence's lock, from ``/proc``.
 - ``limits``     caps on sessions, connections and descriptors, each by its config key.
 - ``quotas``     what one session and one peer may pin or reserve of a namespace.
+- ``contention`` whether those shares bind now (another uid attached, another session short).
 
 May import: ``conf`` and ``hisparse`` core modules; names from ``store`` and ``ops`` for type
 hints only (a quota is checked against a session and a namespace it is handed).

@@ -226,10 +226,14 @@ class Registry:
                                 "config; drop one (hisparsectl drop NAME) or raise max_namespaces")
         if creator is not None:
             mine = sum(1 for _, key in unlisted if key == creator.key)
-            if mine >= cfg.peer_max_namespaces:
+            # work-conserving, as the shares: past half the unnamed slots only while no other uid made one
+            contended = any(key not in (None, creator.key) for _, key in unlisted)
+            if mine >= cfg.peer_max_namespaces or (contended and mine >= max(1, slots // 2)):
                 raise QuotaExceeded(f"peer_max_namespaces ({cfg.peer_max_namespaces}): "
                                     f"{creator.describe()} has created {mine} namespaces not named in "
-                                    "the config; drop one (hisparsectl drop NAME) or name it in the config")
+                                    f"the config ({slots} slots for those; while another uid has made "
+                                    "some, one uid takes at most half); drop one (hisparsectl drop NAME) "
+                                    "or name it in the config")
 
     def _plan(self, name: str, layout: KVLayout, requested_bytes: int | None,
               warnings: list[str], creator: Any = None) -> tuple[RegionGeometry, int]:
