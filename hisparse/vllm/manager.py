@@ -39,7 +39,6 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
-    ConfigInfoMapping,
     LoadStoreSpec,
     LookupResult,
     Medium,
@@ -55,6 +54,7 @@ from vllm.v1.kv_offload.base import (
 from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired, Timeout
 from hisparse.protocol import SLOT_BUSY
 from hisparse.vllm.cluster import ClusterPromotions
+from hisparse.vllm.compat import ConfigInfoMapping
 from hisparse.vllm.config import AdapterConfig, check_key
 from hisparse.vllm.events import TierEvents
 from hisparse.vllm.holds import Holds, Release
