@@ -145,6 +145,7 @@ class HiSparseOffloadingManager(OffloadingManager):
         result = self._cluster.miss(key)  # RETRY while the daemon promotes it from the cluster
         if result is LookupResult.MISS:
             self._counts["LOOKUP_MISSES"] += 1
+            self._ops.missed_keys += 1  # told to the daemon with the next pin (NamespaceOps)
         return result
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:

@@ -107,6 +107,7 @@ class HiSparseOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             ops = self._ops("scheduler")
+            ops.mirror_lookups = True  # its pins report its lookups: the daemon's hit rate counts them
             info = HiSparseInfo(hisparse_namespace=self.namespace, hisparse_num_pages=ops.client.num_pages,
                                 hisparse_page_bytes=self.layout.page_bytes,
                                 hisparse_socket=ops.client.socket_path)
