@@ -32,7 +32,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, socket: str | None, log_path: str, max_tokens: int = 16) -> None:
+    def __init__(self, model: str, socket: str | None, log_path: str, max_tokens: int = 16,
+                 capacity: str = "256MiB") -> None:
         import openai
 
         self.port = free_port()
@@ -44,7 +45,7 @@ class Server:
                "--attention-backend", "CPU_ATTN", "--enable-prompt-tokens-details",
                "--served-model-name", MODEL_NAME]
         if socket:
-            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(socket))]
+            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(socket, capacity=capacity))]
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, env=overlay.engine_env(), stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
