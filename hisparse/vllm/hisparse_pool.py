@@ -48,7 +48,9 @@ stock; lookups find only this engine's blocks. After a daemon restart the
 old session's reservations and pins are gone: blocks in use stay in use
 (their pages stay fenced while this process holds the old session's fence,
 see docs/vllm-hisparse.md) but are not published, and freed ones are
-simply forgotten.
+simply forgotten. After a change of region (``hisparsectl drop --force``, a
+``--fresh`` restart, a resize) the pool leaves the tier instead: its worker
+cannot follow (``region_guard``).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from hisparse.errors import DaemonUnavailable, HisparseError, InvalidArgument
 from hisparse.vllm.fences import SessionFences
 from hisparse.vllm.host_batches import NULL_PAGE, StepBatches
 from hisparse.vllm.mirror import KeyMirror
+from hisparse.vllm.region_guard import RegionBinding
 from hisparse.vllm.rpc import NamespaceOps, Session
 
 log = logging.getLogger(__name__)
@@ -74,7 +77,7 @@ log = logging.getLogger(__name__)
 DOWN_BACKOFF_S = 1.0
 
 
-class DaemonHostBlockPool(StepBatches, SharedEventQueueBlockPool):
+class DaemonHostBlockPool(RegionBinding, StepBatches, SharedEventQueueBlockPool):
     """See the module docstring. ``step_blocks``: blocks one scheduler step may allocate."""
 
     def __init__(self, ops: NamespaceOps, *, num_blocks: int, step_blocks: int, block_size: int,
@@ -112,6 +115,7 @@ class DaemonHostBlockPool(StepBatches, SharedEventQueueBlockPool):
         self.counters = dict.fromkeys(("reserve_requests", "publish_requests", "pin_requests",
                                        "published", "duplicates", "lookup_pins", "lookup_pin_misses",
                                        "orphaned", "flush_failures"), 0)
+        self._bind_region()  # the region the worker maps (region_guard)
 
     @property
     def held_pages(self) -> int:
@@ -190,7 +194,8 @@ class DaemonHostBlockPool(StepBatches, SharedEventQueueBlockPool):
             self._stock.append(page)
         elif page in self._pinned:
             session, _ = self._pinned.pop(page)
-            self._unpins_next.append((session, page))
+            if self.tier_left is None:
+                self._unpins_next.append((session, page))
             self._forget_hash(block)
 
     def fence_paths(self) -> tuple[str, ...]:
@@ -208,6 +213,8 @@ class DaemonHostBlockPool(StepBatches, SharedEventQueueBlockPool):
                           block_mask: list[bool] | None = None) -> None:
         super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
                                   kv_cache_group_id, block_mask)
+        if self.tier_left is not None:
+            return  # published nowhere: the bytes are in a region the namespace left (region_guard)
         for block in blocks[num_cached_blocks:num_full_blocks]:
             page = block.block_id
             if (block.is_null or block.block_hash is None or page not in self._reserved
@@ -248,6 +255,8 @@ class DaemonHostBlockPool(StepBatches, SharedEventQueueBlockPool):
             self._failed("pin", exc)
             return 0
         self.counters["pin_requests"] += 1
+        if not self._addresses_worker_region(session):
+            return 0  # pages of a new region: the pool left the tier (region_guard)
         if not self._fences.hold(session):
             return 0  # its fence was let go: those pages may be anyone's now (fences.SessionFences)
         pinned = 0
@@ -302,8 +311,9 @@ class DaemonHostBlockPool(StepBatches, SharedEventQueueBlockPool):
         self._lookup.clear()
 
     def _down(self) -> bool:
-        """True while the daemon is in its back-off after a failed request."""
-        return self._clock() < self._down_until
+        """True while the daemon is in its back-off after a failed request, and for good
+        once the pool left the tier (region_guard)."""
+        return self.tier_left is not None or self._clock() < self._down_until
 
     def _refresh_mirror(self) -> None:
         try:

@@ -46,7 +46,8 @@ class StepBatches:
     counters: dict[str, int]
     blocks: list[Any]
     step_blocks: int
-    # and, from DaemonHostBlockPool: _release(page), _forget_hash(block), _failed(what, exc), _down()
+    # and, from DaemonHostBlockPool: _release(page), _forget_hash(block), _failed(what, exc), _down();
+    # from region_guard.RegionBinding: _addresses_worker_region(session), _region_moved()
 
     def _let_go_if_unused(self, session: Session | None) -> None:
         """A lost session's fence goes once no block of this engine uses its pages."""
@@ -141,6 +142,8 @@ class StepBatches:
             self._failed("reserve", exc)
             return 0
         self.counters["reserve_requests"] += 1
+        if not self._addresses_worker_region(session):
+            return 0  # a new region: the pool left the tier, its client gives these back (region_guard)
         if not self._fences.hold(session):
             return 0  # its fence was let go: the reservations went with the session
         for key, slot in zip(keys, slots):
@@ -159,6 +162,8 @@ class StepBatches:
 
     def _prune_lost_sessions(self) -> None:
         """Holdings of a session the daemon no longer knows (restart, expiry) are gone."""
+        if self._region_moved():
+            return  # not gone: the old region's pages stay this engine's (region_guard)
         live = self._ops.session_is_live
         if all(live(s) for s, _ in self._reserved.values()) and all(
                 live(s) for s, _ in self._pinned.values()):

@@ -16,8 +16,22 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from hisparse.daemon.conf.values import (  # noqa: F401 (ConfigError, MIN_LEASE_TTL_S, LOG_LEVELS re-exported)
-    LOG_LEVELS, MIN_LEASE_TTL_S, UNIX_PATH_MAX, ConfigError, choice_value, count_value, group_value, level_value,
-    metrics_address_value, path_value, seconds_value, share_value, size_value, size_or_zero_value, text_value, ttl_value,
+    LOG_LEVELS,
+    MIN_LEASE_TTL_S,
+    UNIX_PATH_MAX,
+    ConfigError,
+    choice_value,
+    count_value,
+    group_value,
+    level_value,
+    metrics_address_value,
+    path_value,
+    seconds_value,
+    share_value,
+    size_or_zero_value,
+    size_value,
+    text_value,
+    ttl_value,
 )
 from hisparse.layout import format_size
 from hisparse.paths import SYSTEM_SOCKET, daemon_default_socket_path  # noqa: F401 (SYSTEM_SOCKET re-exported)

@@ -24,10 +24,10 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from hisparse.daemon.ops.context import DaemonContext, ns_of
-from hisparse.daemon.store.namespaces import Namespace
-from hisparse.daemon.policy.quotas import check_pin_quota, reserve_room, shortfall
-from hisparse.daemon.store.sessions import PinHold, Session
 from hisparse.daemon.ops.slicing import SLICE_KEYS, Sliced, Steps, run, session_alive, spans
+from hisparse.daemon.policy.quotas import check_pin_quota, reserve_room, shortfall
+from hisparse.daemon.store.namespaces import Namespace
+from hisparse.daemon.store.sessions import PinHold, Session
 from hisparse.protocol import ErrorCode, KeysRequest, PagesRequest, PublishRequest, WireError
 
 CHECK_SLICE = 4 * SLICE_KEYS  # checking a key (a dict lookup) costs a few times less than changing it

@@ -28,11 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hisparse.daemon.store import background
-
+from hisparse.daemon.conf.config import Config
 from hisparse.daemon.policy import trust
 from hisparse.daemon.policy.access import give_to_group
-from hisparse.daemon.conf.config import Config
+from hisparse.daemon.store import background
 from hisparse.daemon.store.index import NamespaceIndex
 from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch, QuotaExceeded
 from hisparse.layout import KVLayout, format_size
@@ -131,13 +130,6 @@ class Registry:
         return os.path.join(self.region_dir,
                             f"hisparse-{namespace_tag(namespace)}-{region_id:016x}{REGION_SUFFIX}")
 
-    # -- start-up --
-
-    def adopt_all(self) -> None:
-        """Adopt what an earlier run left (or remove it with ``--fresh``)."""
-        from hisparse.daemon.store.adoption import adopt_all
-
-        adopt_all(self)
 
     # -- attach --
 
