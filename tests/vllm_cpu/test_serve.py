@@ -45,15 +45,35 @@ def _conversation(seed: int) -> list[dict[str, str]]:
     return [{"role": "system", "content": " ".join(sample_texts(30, seed=seed))}]
 
 
-def _chat(servers: list[Server], messages: list[dict[str, str]], turns: int, first: int = 0) -> list[tuple[int, int]]:
-    """``turns`` turns alternating between the servers: (prompt tokens, cached) per turn."""
-    seen = []
+def _chat(servers: list[Server], messages: list[dict[str, str]], turns: int, first: int = 0,
+          daemon: Any = None) -> list[tuple[int, int]]:
+    """``turns`` turns alternating between the servers: (prompt tokens, cached) per turn.
+
+    With ``daemon``, each turn's new prompt blocks are committed before the next turn goes
+    out: a store is asynchronous (it lands after the reply), and a router would not wait for
+    it, but a test of what the next engine finds must."""
+    seen: list[tuple[int, int]] = []
     for t in range(turns):
+        before = _committed(daemon.socket) if daemon is not None else 0
         messages.append({"role": "user", "content": f"turn {t}: " + sample_texts(1, seed=100 + t)[0]})
         answer, prompt, cached = servers[(first + t) % 2].turn(messages)
         messages.append({"role": "assistant", "content": answer})
+        if daemon is not None:  # the blocks this turn added to the conversation's chain
+            new = (_whole_blocks(prompt) - (_whole_blocks(seen[-1][0]) if seen else 0)) // BLOCK_TOKENS
+            _wait_committed(daemon.socket, before + new)
         seen.append((prompt, cached))
     return seen
+
+
+def _committed(socket: str) -> int:
+    return sum(ns["committed_pages"] for ns in stats(socket)["namespaces"].values())
+
+
+def _wait_committed(socket: str, pages: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (committed := _committed(socket)) < pages:
+        assert time.monotonic() < deadline, f"{committed} pages committed, {pages} expected"
+        time.sleep(0.1)
 
 
 def _whole_blocks(tokens: int) -> int:
@@ -67,8 +87,8 @@ def _schedulers_polling(socket: str) -> int:
     return sum(1 for r in rows if "scheduler" in r["client"] and r["state"] == "live" and r["idle_s"] < 0.5)
 
 
-def test_later_turns_of_a_chat_hit_the_tier_on_the_other_server(servers: list[Server]) -> None:
-    seen = _chat(servers, _conversation(seed=3), turns=4)
+def test_later_turns_of_a_chat_hit_the_tier_on_the_other_server(servers: list[Server], module_daemon: Any) -> None:
+    seen = _chat(servers, _conversation(seed=3), turns=4, daemon=module_daemon)
     assert seen[0][1] == 0  # the first turn: nothing anywhere
     for (prev_prompt, _), (_, cached) in zip(seen, seen[1:]):
         # This server never ran the previous turn: at least that turn's whole prompt blocks
@@ -79,7 +99,7 @@ def test_later_turns_of_a_chat_hit_the_tier_on_the_other_server(servers: list[Se
 def test_daemon_killed_and_restarted_mid_run(servers: list[Server], module_daemon: Any) -> None:
     # A conversation stored through the tier before the kill.
     before = _conversation(seed=5)
-    first = _chat(servers, before, turns=1, first=0)
+    first = _chat(servers, before, turns=1, first=0, daemon=module_daemon)
     module_daemon.kill()
     # Away: every request is answered; its lookups miss and its stores are skipped.
     away = _chat(servers, _conversation(seed=6), turns=2, first=0)
