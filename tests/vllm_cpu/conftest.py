@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,19 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def other_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Another model (other weights, 2 layers): its pages must never meet the first's."""
     return str(TinyModel(num_layers=2, seed=7).build(tmp_path_factory.mktemp("other-llama")))
+
+
+def committed_pages(socket: str, model: str = "") -> int:
+    """Committed pages of the namespaces whose name holds ``model`` (all of them by default)."""
+    return sum(ns["committed_pages"] for name, ns in stats(socket)["namespaces"].items() if model in name)
+
+
+def wait_committed(socket: str, pages: int, model: str = "", timeout_s: float = 60.0) -> None:
+    """Until ``pages`` are committed: an engine's stores land after its reply."""
+    deadline = time.monotonic() + timeout_s
+    while (committed := committed_pages(socket, model)) < pages:
+        assert time.monotonic() < deadline, f"{committed} pages committed, {pages} expected"
+        time.sleep(0.1)
 
 
 class Engines:

@@ -19,7 +19,7 @@ import pytest
 
 from hisparse.vllm.cpu.model import sample_texts
 from hisparse.vllm.cpu.serve import Server
-from tests.vllm_cpu.conftest import stats
+from tests.vllm_cpu.conftest import committed_pages, stats, wait_committed
 
 # The module's engines start in its first test's setup: several engine starts on a busy box.
 pytestmark = pytest.mark.timeout(1200)
@@ -54,26 +54,15 @@ def _chat(servers: list[Server], messages: list[dict[str, str]], turns: int, fir
     it, but a test of what the next engine finds must."""
     seen: list[tuple[int, int]] = []
     for t in range(turns):
-        before = _committed(daemon.socket) if daemon is not None else 0
+        before = committed_pages(daemon.socket) if daemon is not None else 0
         messages.append({"role": "user", "content": f"turn {t}: " + sample_texts(1, seed=100 + t)[0]})
         answer, prompt, cached = servers[(first + t) % 2].turn(messages)
         messages.append({"role": "assistant", "content": answer})
         if daemon is not None:  # the blocks this turn added to the conversation's chain
             new = (_whole_blocks(prompt) - (_whole_blocks(seen[-1][0]) if seen else 0)) // BLOCK_TOKENS
-            _wait_committed(daemon.socket, before + new)
+            wait_committed(daemon.socket, before + new)
         seen.append((prompt, cached))
     return seen
-
-
-def _committed(socket: str) -> int:
-    return sum(ns["committed_pages"] for ns in stats(socket)["namespaces"].values())
-
-
-def _wait_committed(socket: str, pages: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (committed := _committed(socket)) < pages:
-        assert time.monotonic() < deadline, f"{committed} pages committed, {pages} expected"
-        time.sleep(0.1)
 
 
 def _whole_blocks(tokens: int) -> int:
