@@ -40,7 +40,6 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
-    ConfigInfoMapping,
     LoadStoreSpec,
     LookupResult,
     Medium,
@@ -52,10 +51,12 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired, Timeout
 from hisparse.protocol import SLOT_BUSY
 from hisparse.vllm.cluster import ClusterPromotions
+from hisparse.vllm.compat import ConfigInfoMapping
 from hisparse.vllm.config import AdapterConfig, check_key
 from hisparse.vllm.events import TierEvents
 from hisparse.vllm.holds import Holds, Release
@@ -146,11 +147,10 @@ class HiSparseOffloadingManager(OffloadingManager):
         result = self._cluster.miss(key)  # RETRY while the daemon promotes it from the cluster
         if result is LookupResult.MISS:
             self._counts["LOOKUP_MISSES"] += 1
+            self._ops.missed_keys += 1  # told to the daemon with the next pin (NamespaceOps)
         return result
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
         if key in self._cluster.promoted:
             return CacheHitSource.P2P  # promoted from the cluster tier (another node's pages)
         return CacheHitSource.HOST  # the node's host memory, shared by its engines

@@ -220,6 +220,8 @@ def _pin(ctx: DaemonContext, session: Session, req: KeysRequest, ns: Namespace) 
         pages += now[:same]
         if same < stop - start:
             break  # evicted meanwhile: the prefix ends here
+    if req.missed is not None:  # a mirror's lookups (the vLLM adapter): its hits are these pins
+        ns.index.count_lookup(len(req.keys) + req.missed, len(pages))
     return {"count": len(pages), "pages": pages}
 
 
