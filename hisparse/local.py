@@ -18,12 +18,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 
-# A private daemon has one tenant, this user: the quotas that keep tenants apart
-# (docs/governance.md, on by default) are lifted, so one engine may use its whole region.
-SINGLE_TENANT = ("--session-pin-share", "1", "--session-reserve-share", "1",
-                 "--peer-pin-share", "1", "--peer-reserve-share", "1")
-
-
 @dataclass
 class DaemonProcess:
     socket: str
@@ -51,7 +45,7 @@ def start_daemon(capacity: str, *, lease_ttl_s: float = 10.0, log_level: str = "
         proc = subprocess.Popen(
             [sys.executable, "-m", "hisparse.daemon.main", "--socket", socket, "--shm-dir", shm_dir,
              "--capacity", capacity, "--lease-ttl", str(lease_ttl_s), "--log-level", log_level,
-             *SINGLE_TENANT, *extra],
+             *extra],
             stdout=log, stderr=subprocess.STDOUT, env=env_with_package())
     try:
         try:

@@ -31,18 +31,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 READY_TIMEOUT_S = 20.0
-# Quotas (on by default: half a region per session and per uid) lifted, for tests of
-# other things in which one uid fills a region; tests/daemon/test_tenants.py tests quotas.
-QUOTAS_OFF = ("--session-pin-share", "1", "--session-reserve-share", "1",
-              "--peer-pin-share", "1", "--peer-reserve-share", "1")
-
-
-def quotas_lifted(daemon_factory):
-    """``daemon_factory`` with ``QUOTAS_OFF``: a conftest's override for engines of one uid
-    whose one engine may use its whole region (the vLLM adapters' tests)."""
-    def make(*, extra: tuple[str, ...] = (), **kw):
-        return daemon_factory(extra=(*QUOTAS_OFF, *extra), **kw)
-    return make
 
 
 def pytest_collection_finish(session) -> None:

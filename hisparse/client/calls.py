@@ -13,7 +13,10 @@ call's reserves took (never another thread's reservation of the same keys),
 releases nothing the second time, and the daemon refuses later requests of
 a released tag), so while the daemon does not answer it is simply sent again
 by a background thread until an answer comes or the session is gone (then
-the daemon released everything with it). The caller never waits for it.
+the daemon released everything with it). A call that failed while the daemon
+answered (a refused copy, Ctrl-C) waits once for its release's answer; one
+the daemon left unanswered (``Timeout``, ``DaemonUnavailable``) only queues
+it (``waits_after``), so the call costs its caller one timeout, never two.
 """
 
 from __future__ import annotations
@@ -22,18 +25,31 @@ import logging
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired, Timeout
 from hisparse.protocol import Op
 
-if TYPE_CHECKING:
-    from hisparse.client.session import ClientSession, Sessions
+
+class Sessions(Protocol):
+    """What ``Owed`` needs of the client's sessions (``hisparse.client.session.Sessions``)."""
+
+    timeout_s: float
+    closed: bool
+
+    def call_in(self, session: Any, op: Op, timeout_s: float, **fields: Any) -> Any: ...
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 0.2  # between attempts while the daemon does not answer
 MAX_RELEASE_TIMEOUT_S = 1.0  # one attempt waits at most this long for its answer
+
+
+def waits_after(error: BaseException | None) -> bool:
+    """Whether a call's clean-up release may wait for its answer: not after the daemon left
+    the call itself unanswered (it would only wait the same deadline again); then the release
+    is queued and the caller returns at once, bounded by its one timeout."""
+    return not isinstance(error, (DaemonUnavailable, Timeout))
 
 
 def new_tag() -> int:
@@ -43,7 +59,7 @@ def new_tag() -> int:
 
 @dataclass
 class Release:
-    session: ClientSession
+    session: Any  # the ClientSession the holds were taken on
     op: Op  # ABORT (keys, tag) or UNPIN (tag)
     fields: dict[str, Any] = field(default_factory=dict)
 
@@ -58,7 +74,7 @@ class Owed:
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
 
-    def give_back(self, session: ClientSession, op: Op, *, wait: bool = False, **fields: Any) -> None:
+    def give_back(self, session: Any, op: Op, *, wait: bool = False, **fields: Any) -> None:
         """Release by tag on ``session``: sent at once and answered within the client's
         timeout with ``wait`` (a blocking call's clean-up), else queued; in both cases
         re-sent in the background while the daemon does not answer."""

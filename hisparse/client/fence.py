@@ -244,6 +244,7 @@ class _Shared:
     """One open fence of another process's session, locked while any job of ours uses it."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
         self.fd, self.mm = open_locked(path)
         fcntl.flock(self.fd, fcntl.LOCK_UN)  # taken per job below
         self.lock = threading.Lock()
@@ -254,7 +255,10 @@ class _Shared:
         assert self.pid == os.getpid(), "a fence hold of another process"
         with self.lock:  # flock is per open file: threads of this process share one lock
             if self.users == 0:
-                fcntl.flock(self.fd, fcntl.LOCK_SH)
+                # Polled with a deadline, as open_locked does: a process holding LOCK_EX
+                # (only ever the daemon's probe, for microseconds) costs this job FenceBusy
+                # after LOCK_WAIT_S, never an endless wait with this lock held.
+                _lock_shared(self.fd, self.path)
             self.users += 1
             state = read_state(self.mm)
             if state == LIVE:

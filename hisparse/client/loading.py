@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from hisparse.client import backends, pipeline
-from hisparse.client.calls import new_tag
+from hisparse.client.calls import new_tag, waits_after
 from hisparse.client.pending import Pending
 from hisparse.client.session import LOST_SESSION_RETRIES, ClientSession, Sessions, chunks
 from hisparse.errors import HisparseError, LeaseExpired
@@ -61,8 +61,8 @@ def _load_whole(sessions: Sessions, keys: list[bytes], out: Any, backend: backen
         sessions.unpin(session, page_ids, tag)
     except LeaseExpired:
         raise  # the pins died with the session mid-copy: the copy is not trusted
-    except BaseException:
-        give_back_pins(sessions, session, tag)  # the unpin may never have been sent
+    except BaseException as exc:
+        give_back_pins(sessions, session, tag, exc)  # the unpin may never have been sent
         raise
     return len(pinned)
 
@@ -110,9 +110,9 @@ def _load_pieces(sessions: Sessions, keys: list[bytes], out: Any, backend: backe
         pipeline.abandon(pins[settled:] + unpins)
         sessions.rehello(session)  # (unless another thread did): the next try runs on the new one
         raise
-    except BaseException:
+    except BaseException as exc:
         pipeline.abandon(pins[settled:] + unpins)
-        give_back_pins(sessions, session, tag)
+        give_back_pins(sessions, session, tag, exc)
         raise
     return loaded
 
@@ -142,17 +142,18 @@ def pin_prefix(sessions: Sessions, keys: list[bytes], tag: int) -> tuple[ClientS
                     break
         except LeaseExpired:
             continue  # lost between chunks: the pins taken so far are gone, start over
-        except BaseException:
+        except BaseException as exc:
             # Timeout, Ctrl-C: the daemon may pin later what we never learn of.
-            give_back_pins(sessions, session or sessions.session, tag)
+            give_back_pins(sessions, session or sessions.session, tag, exc)
             raise
         assert session is not None
         return session, keys[:len(pages)], np.asarray(pages, dtype=np.int64)
     raise LeaseExpired("pin: the session was lost repeatedly")
 
 
-def give_back_pins(sessions: Sessions, session: ClientSession, tag: int) -> None:
-    sessions.owed.give_back(session, Op.UNPIN, wait=True, tag=tag)
+def give_back_pins(sessions: Sessions, session: ClientSession, tag: int,
+                   after: BaseException | None = None) -> None:
+    sessions.owed.give_back(session, Op.UNPIN, wait=waits_after(after), tag=tag)
 
 
 def unpin_quietly(sessions: Sessions, session: ClientSession, page_ids: Any, tag: int) -> None:
@@ -162,4 +163,4 @@ def unpin_quietly(sessions: Sessions, session: ClientSession, page_ids: Any, tag
         pass  # released with the session
     except HisparseError as exc:
         log.warning("unpin of %d pages failed (%s); given back by tag", len(page_ids), exc)
-        give_back_pins(sessions, session, tag)
+        give_back_pins(sessions, session, tag, exc)

@@ -19,14 +19,21 @@ on the wire, or its I/O thread not yet scheduled) with the connection up.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hisparse.errors import DaemonUnavailable, HisparseError, Timeout
 
 if TYPE_CHECKING:
     from hisparse import protocol
-    from hisparse.client.transport import Transport
     from hisparse.protocol import Op
+
+
+class Link(Protocol):
+    """What a request asks of its transport to tell a slow daemon from a gone one."""
+
+    socket_path: str
+    connected: bool
+    heard_at: float
 
 
 class Pending:
@@ -35,7 +42,7 @@ class Pending:
     __slots__ = ("rid", "op", "frame", "done", "reply", "error", "sent_at", "resends", "abandoned",
                  "_transport")
 
-    def __init__(self, rid: int, op: Op, frame: bytes, transport: Transport) -> None:
+    def __init__(self, rid: int, op: Op, frame: bytes, transport: Link) -> None:
         self.rid = rid
         self.op = op
         self.frame = frame

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hisparse.extras import require
-from hisparse.errors import DaemonUnavailable, InvalidArgument, LeaseExpired
+from hisparse.errors import InvalidArgument, LeaseExpired
 from hisparse.protocol import Op
 
 if TYPE_CHECKING:
@@ -87,22 +87,35 @@ class Pin:
         pages = self._session.region.pages_view()
         return torch.from_numpy(pages[:, int(self.page_ids[i]), :])
 
-    def release(self) -> None:
-        """Unpin (idempotent). Pins lost with their session need no unpin."""
+    def release(self, *, wait: bool = True) -> None:
+        """Unpin (idempotent). Pins lost with their session need no unpin.
+
+        ``wait=False`` never waits for the daemon: the unpin goes by the pinning call's tag
+        through the client's background releases (``hisparse.client.calls``), re-sent until
+        answered, for a thread that must not stall on a slow daemon (an engine's scheduler).
+        """
         with self._lock:
             if self._released:
                 return
             self._released = True
+        if not wait and self._tag is not None:
+            try:
+                if self.count and self._sessions.is_live(self._session) and self._session.fence.live:
+                    self._sessions.owed.give_back(self._session, Op.UNPIN, tag=self._tag)
+            finally:
+                self._finalizer()
+            return
         try:
             if self.count and self._sessions.is_live(self._session) and self._session.fence.live:
                 self._sessions.unpin(self._session, self.page_ids, self._tag)
         except LeaseExpired:
             pass  # lost with its session meanwhile: nothing left to unpin
-        except DaemonUnavailable:
-            if self._tag is None:
-                raise
-            # Maybe never sent: the pinning call's tag gives back what is still pinned.
-            self._sessions.owed.give_back(self._session, Op.UNPIN, tag=self._tag)
+        except BaseException:
+            # Unanswered (DaemonUnavailable, Timeout), interrupted, refused: the unpin may never
+            # have been sent or applied, and this pin reads as released from now on, so the
+            # pinning call's tag gives back, in the background, whatever is still pinned.
+            if self._tag is not None:
+                self._sessions.owed.give_back(self._session, Op.UNPIN, tag=self._tag)
             raise
         finally:
             self._finalizer()  # the fence reference, exactly once

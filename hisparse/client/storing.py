@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from hisparse.client import backends, pipeline
-from hisparse.client.calls import new_tag
+from hisparse.client.calls import new_tag, waits_after
 from hisparse.client.pending import Pending
 from hisparse.client.session import LOST_SESSION_RETRIES, ClientSession, Sessions, chunks
 from hisparse.errors import HisparseError, LeaseExpired, Timeout
@@ -84,19 +84,18 @@ def _store_pieces(sessions: Sessions, keys: list[bytes], pages: Any, backend: ba
                 pipeline.land(copying)  # nothing is given back while a copy into it may still run
         committed: list[int] = []
         for pending, chunk in commits:
-            pending.result(sessions.timeout_s)
-            committed += chunk
+            committed += _kept(keys, chunk, pending.result(sessions.timeout_s))
     except LeaseExpired:
         # Every reservation died with the session: what was not committed is stored again
         # (by the whole path, which attaches again); what was committed counts as written.
         pipeline.abandon(reserves[settled:])
-        committed = _committed_anyway(sessions, commits)
+        committed = _committed_anyway(sessions, keys, commits)
         return len(committed), 0, False, sorted(set(range(len(keys))) - set(committed))
-    except BaseException:
+    except BaseException as exc:
         # Timeout, Ctrl-C, a copy that failed: give back everything this call reserved. An
         # abort goes after every request sent before it, so it finds the late ones too.
         pipeline.abandon(reserves[settled:] + [pending for pending, _ in commits])
-        _give_back(sessions, session, keys, tag)
+        _give_back(sessions, session, keys, tag, exc)
         raise
     if settled < len(bounds):
         pipeline.abandon(reserves[settled:])
@@ -111,16 +110,24 @@ def _commit(sessions: Sessions, session: ClientSession, keys: list[bytes], landi
     return sessions.submit_in(session, Op.COMMIT, keys=[keys[i] for i in rows]), rows
 
 
-def _committed_anyway(sessions: Sessions, commits: list[tuple[Pending, list[int]]]) -> list[int]:
+def _committed_anyway(sessions: Sessions, keys: list[bytes],
+                      commits: list[tuple[Pending, list[int]]]) -> list[int]:
     """The indices whose commit the daemon answered ok (sent before the session was lost)."""
     done: list[int] = []
     for pending, chunk in commits:
         try:
-            pending.result(sessions.timeout_s)
+            body = pending.result(sessions.timeout_s)
         except HisparseError:
             continue
-        done += chunk
+        done += _kept(keys, chunk, body)
     return done
+
+
+def _kept(keys: list[bytes], chunk: list[int], body: dict[str, Any]) -> list[int]:
+    """The indices of ``chunk`` its commit made visible: not those a ``clear`` voided
+    (reserved before it, the daemon freed them at the commit: ``cleared``)."""
+    cleared = set(body.get("cleared") or ())
+    return [i for i in chunk if keys[i] not in cleared] if cleared else chunk
 
 
 def _store_whole(sessions: Sessions, keys: list[bytes], pages: Any, backend: backends.Backend,
@@ -140,14 +147,14 @@ def _store_whole(sessions: Sessions, keys: list[bytes], pages: Any, backend: bac
         busy = [todo[j] for j, s in enumerate(slots) if s == SLOT_BUSY]
         if mine:
             try:
-                _write(sessions, session, keys, pages, mine, backend, tag)
+                cleared = _write(sessions, session, keys, pages, mine, backend, tag)
             except LeaseExpired:
                 lost += 1
                 if lost > LOST_SESSION_RETRIES:
                     raise
                 todo = sorted([i for i, _ in mine] + busy)  # reservations died with the session
                 continue
-            written += len(mine)
+            written += len(mine) - cleared
         if not busy:
             break
         # Another session (a TP rank storing the same chain) is writing these:
@@ -169,17 +176,18 @@ def _reserve(sessions: Sessions, keys: list[bytes], tag: int) -> tuple[dict[str,
         return sessions.call(Op.RESERVE, keys=keys, tag=tag)
     except LeaseExpired:
         raise
-    except BaseException:
+    except BaseException as exc:
         # Timeout, Ctrl-C: the daemon may have reserved pages whose ids we never learned.
         # Without this they would stay WRITING while heartbeats keep the lease. By tag:
         # another thread of this process may hold live reservations of the same keys.
-        _give_back(sessions, sessions.session, keys, tag)
+        _give_back(sessions, sessions.session, keys, tag, exc)
         raise
 
 
 def _write(sessions: Sessions, session: ClientSession, keys: list[bytes], pages: Any,
-           mine: list[tuple[int, int]], backend: backends.Backend, tag: int) -> None:
-    """Copy reserved pages in and commit them; give them back on any failure before the commit."""
+           mine: list[tuple[int, int]], backend: backends.Backend, tag: int) -> int:
+    """Copy reserved pages in and commit them; give them back on any failure before the commit.
+    Returns how many the commit voided (``cleared``: reserved before a ``clear``)."""
     mine_keys = [keys[i] for i, _ in mine]
     try:
         # The fence keeps these pages ours however long this thread stalls
@@ -187,17 +195,21 @@ def _write(sessions: Sessions, session: ClientSession, keys: list[bytes], pages:
         with session.fence.use("store"):
             backend.scatter(session.region, np.array([p for _, p in mine], dtype=np.int64),
                             pages, np.array([i for i, _ in mine], dtype=np.int64))
+        cleared = 0
         for chunk in chunks(mine_keys):
-            sessions.call_in(session, Op.COMMIT, keys=chunk)
+            cleared += len(sessions.call_in(session, Op.COMMIT, keys=chunk).get("cleared") or ())
     except LeaseExpired:
         raise
-    except BaseException:
+    except BaseException as exc:
         # A commit whose reply was lost may still be applied: the abort by tag comes after
         # it and then finds nothing; otherwise it frees this call's pages, and only them.
-        _give_back(sessions, session, mine_keys, tag)
+        _give_back(sessions, session, mine_keys, tag, exc)
         raise
+    return cleared
 
 
-def _give_back(sessions: Sessions, session: ClientSession, keys: list[bytes], tag: int) -> None:
+def _give_back(sessions: Sessions, session: ClientSession, keys: list[bytes], tag: int,
+               after: BaseException | None = None) -> None:
+    wait = waits_after(after)
     for chunk in chunks(keys):
-        sessions.owed.give_back(session, Op.ABORT, wait=True, keys=chunk, tag=tag)
+        sessions.owed.give_back(session, Op.ABORT, wait=wait, keys=chunk, tag=tag)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import fcntl
+import functools
 import logging
 import os
 import secrets
@@ -26,15 +26,15 @@ import zmq.asyncio
 from hisparse import pipes, protocol
 from hisparse.daemon.conf import config as config_mod
 from hisparse.daemon.front import notify
-from hisparse.daemon.store import regiondir
+from hisparse.daemon.front.server import Server, endpoint_for
+from hisparse.daemon.ops.handlers import DaemonContext
+from hisparse.daemon.ops.sweep import BEFORE_BIND_S, FenceSweep
 from hisparse.daemon.policy import trust
 from hisparse.daemon.policy.access import AccessControl, give_to_group
-from hisparse.daemon.ops.handlers import DaemonContext
 from hisparse.daemon.policy.limits import raise_fd_limit
+from hisparse.daemon.store import adoption, regiondir
 from hisparse.daemon.store.namespaces import Registry
-from hisparse.daemon.front.server import Server, endpoint_for
 from hisparse.daemon.store.sessions import SessionTable
-from hisparse.daemon.ops.sweep import BEFORE_BIND_S, FenceSweep
 from hisparse.errors import HisparseError
 from hisparse.layout import format_size
 from hisparse.paths import access_key_path
@@ -238,7 +238,7 @@ def run(cfg: config_mod.Config) -> int:
     trust.shared_dir(cfg.shm_dir, "shm_dir")
     regions = regiondir.open_region_dir(cfg.shm_dir, cfg.metadata_dir)
     registry = Registry(cfg, regions.path)
-    registry.adopt_all()
+    adoption.adopt_all(registry)
     regiondir.reclaim_orphans(cfg.shm_dir, cfg.metadata_dir, regions)
     _warn_free_shm(cfg, registry)
     _prepare_socket(cfg.socket)

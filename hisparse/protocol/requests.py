@@ -58,6 +58,10 @@ class KeysRequest(Request):
     # reserve, pin: the calling operation's tag (a client-chosen nonce); abort: give back only
     # what reserves with this tag took. A call whose reply was lost releases exactly its own.
     tag: int | None = None
+    # pin only: these keys were looked up in the client's own mirror of the namespace (the vLLM
+    # adapter's lookups never reach the daemon), and ``missed`` more keys missed there since its
+    # last such pin; the namespace counts them as lookups (hit: the keys pinned). None: a plain pin.
+    missed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -245,18 +249,19 @@ def _hello(op: Op, rid: int, msg: dict[str, Any]) -> HelloRequest:
 
 
 _OPS = {op.value: op for op in Op}
-_ABORT, _LOOKUP, _PREFETCH = Op.ABORT, Op.LOOKUP, Op.PREFETCH  # a global: ``Op.X`` costs ~90 ns a load
+_ABORT, _LOOKUP, _PIN, _PREFETCH = Op.ABORT, Op.LOOKUP, Op.PIN, Op.PREFETCH  # a global: ``Op.X`` costs ~90 ns a load
 _new = object.__new__
 _set = object.__setattr__
 
 
 def _keys_request(op: Op, rid: int, session: int, keys: tuple[bytes, ...], missing_ok: bool,
-                  remote: bool, wait: bool, tag: int | None) -> KeysRequest:
+                  remote: bool, wait: bool, tag: int | None, missed: int | None = None) -> KeysRequest:
     """``KeysRequest(...)`` at half the cost: the frozen dataclass's ``__init__`` sets
     each field through ``object.__setattr__``; this sets its ``__dict__`` once."""
     req = _new(KeysRequest)
     _set(req, "__dict__", {"op": op, "id": rid, "session": session, "keys": keys,
-                           "missing_ok": missing_ok, "remote": remote, "wait": wait, "tag": tag})
+                           "missing_ok": missing_ok, "remote": remote, "wait": wait, "tag": tag,
+                           "missed": missed})
     return req
 
 
@@ -303,8 +308,9 @@ def _request(msg: dict[str, Any], proven: frozenset[str]) -> Request:
         missing_ok = _flag(msg, "missing_ok") if op is _ABORT else None
         remote = _flag(msg, "remote") if op is _LOOKUP else None
         wait = _flag(msg, "wait") if op is _LOOKUP or op is _PREFETCH else None
+        missed = _number(msg, "missed") if op is _PIN and msg.get("missed") is not None else None
         return _keys_request(op, rid, session, _keys(msg, _KEYS, proven), bool(missing_ok),
-                             bool(remote), wait is not False, _tag(msg, op))
+                             bool(remote), wait is not False, _tag(msg, op), missed)
     if op is Op.HELLO:
         return _hello(op, rid, msg)
     if op is Op.PING:

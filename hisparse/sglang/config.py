@@ -35,6 +35,7 @@ class SglangConfig:
     timeout_s: float = 1.0          # deadline of one daemon request (the engine's IO threads wait this long at most)
     down_s: float = 2.0             # after a request got no answer: answer miss without asking, this long
     hold_s: float = 10.0            # a page pinned by batch_exists is released after this if never loaded
+    lookup_budget_s: float = 0.1    # the longest a linker lookup holds SGLang's scheduler thread
     cluster: bool = False           # batch_exists also promotes what the cluster tier (or a P/D peer) holds
 
     @classmethod
@@ -48,7 +49,7 @@ class SglangConfig:
         values: dict[str, Any] = {k: extra[k] for k in known if k in extra}
         if values.get("capacity") is not None:
             values["capacity"] = parse_size(values["capacity"])
-        for name in ("timeout_s", "down_s", "hold_s"):
+        for name in ("timeout_s", "down_s", "hold_s", "lookup_budget_s"):
             if name in values:
                 value = values[name]
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

@@ -1,13 +1,21 @@
-"""Pages pinned between SGLang's ``batch_exists`` and its ``batch_get``: a hit stays a hit.
+"""Pages pinned between a lookup and the read that uses it: a hit stays a hit, for each lookup.
 
-SGLang asks which leading pages exist, takes host slots for that many, and
-only then reads them, from another thread and possibly much later. A page
-the daemon evicts in between turns the hit into a short read (SGLang
-tolerates it, but loses the prefix). So ``batch_exists`` pins what it
-reports; ``batch_get`` copies straight out of the pinned pages (no second
-round trip, no staging copy) and lets each go as it is read. A pin never
-read (the request was aborted, another rank's MIN-reduce cut the hit) is
-released ``hold_s`` after it was taken, so pins never pile up.
+SGLang asks which leading pages exist (``batch_exists``, a linker
+``lookup``), takes slots for that many, and only then reads them, from
+another thread and possibly much later. A page the daemon evicts in between
+turns the hit into a short read (the storage backend) or a failed batch (the
+linker). So a lookup pins what it reports, and each read copies straight out
+of the pinned pages and lets them go.
+
+A hold belongs to the lookup that reported it. Several lookups may report
+the same page (two requests sharing a prefix, loaded in consecutive
+batches): each one claims it, and the page stays pinned until every claim
+is gone, so one request's read never ends another's hold. A claim is let go
+by its owner's read (``done``, ``drop``), or ``hold_s`` after it was made
+(the request was aborted, another rank's MIN-reduce cut the hit), so pins
+never pile up. A pin none of whose pages is claimed is released in the
+background (``Pin.release(wait=False)``): letting go never waits for the
+daemon, whatever thread does it.
 
 A pin belongs to the client session that took it; one lost with its session
 (daemon restart, lease expiry) reads as not held and the page is loaded
@@ -16,10 +24,11 @@ afresh, never from a page that is no longer ours.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from hisparse.client.pins import Pin
@@ -27,12 +36,26 @@ from hisparse.errors import HisparseError
 
 log = logging.getLogger(__name__)
 
+_anonymous = itertools.count()
+
 
 @dataclass(eq=False)
 class _Held:
     pin: Pin
+    claimed: int = 0  # keys of this pin that some claim still holds
+
+
+@dataclass(eq=False)
+class _Entry:
+    held: _Held
+    index: int  # the key's page in ``held.pin``
+    owners: dict[Hashable, None] = field(default_factory=dict)  # claims, oldest first
+
+
+@dataclass(eq=False)
+class _Claim:
     taken_at: float
-    unread: set[bytes] = field(default_factory=set)
+    keys: set[bytes] = field(default_factory=set)
 
 
 class PinHolds:
@@ -40,82 +63,125 @@ class PinHolds:
         self.hold_s = hold_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._by_key: dict[bytes, tuple[_Held, int]] = {}
-        self._held: list[_Held] = []
+        self._by_key: dict[bytes, _Entry] = {}
+        self._claims: dict[Hashable, _Claim] = {}
         self.expired_pages = 0
 
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def add(self, pin: Pin) -> None:
-        """Hold ``pin``'s pages for their keys (a key held already keeps its older pin)."""
-        held = _Held(pin, self._clock())
-        with self._lock:
-            for i, key in enumerate(pin.keys[:pin.count]):
-                if key not in self._by_key:
-                    self._by_key[key] = (held, i)
-                    held.unread.add(key)
-            if held.unread:
-                self._held.append(held)
-                return
-        _release(pin)
+    @staticmethod
+    def new_owner() -> Hashable:
+        """An owner for a lookup that names none (``batch_exists``): its claims are anonymous."""
+        return ("anonymous", next(_anonymous))
 
-    def leading(self, keys: list[bytes]) -> int:
-        """How many leading keys are held by a pin that is still good."""
+    def claims(self, key: bytes) -> int:
+        """How many lookups hold ``key`` now."""
+        with self._lock:
+            entry = self._by_key.get(key)
+            return 0 if entry is None else len(entry.owners)
+
+    def claim(self, keys: list[bytes], owner: Hashable) -> int:
+        """How many leading keys are held by a pin that is still good; ``owner`` claims each."""
         with self._lock:
             n = 0
             for key in keys:
                 entry = self._by_key.get(key)
-                if entry is None or not entry[0].pin.held:
+                if entry is None or not entry.held.pin.held:
                     break
+                self._claim_locked(key, entry, owner)
                 n += 1
             return n
+
+    def add(self, pin: Pin, owner: Hashable) -> None:
+        """Hold ``pin``'s pages for ``owner`` (a key held already keeps its older pin, and is claimed)."""
+        held = _Held(pin)
+        with self._lock:
+            for i, key in enumerate(pin.keys[:pin.count]):
+                entry = self._by_key.get(key)
+                if entry is None:
+                    entry = self._by_key[key] = _Entry(held, i)
+                    held.claimed += 1
+                self._claim_locked(key, entry, owner)
+        if not held.claimed:
+            _release(pin)
 
     def get(self, key: bytes) -> tuple[Pin, int] | None:
         with self._lock:
             entry = self._by_key.get(key)
-        return None if entry is None else (entry[0].pin, entry[1])
+        return None if entry is None else (entry.held.pin, entry.index)
 
-    def done(self, key: bytes) -> None:
-        """``key`` was read (or its pin found lost): let its page go."""
+    def done(self, key: bytes, owner: Hashable | None = None) -> None:
+        """``owner``'s read of ``key`` is over (None: the oldest claim's); the page goes with its
+        last claim."""
         with self._lock:
-            entry = self._by_key.pop(key, None)
-            if entry is None:
+            entry = self._by_key.get(key)
+            if entry is None or not entry.owners:
                 return
-            held = entry[0]
-            held.unread.discard(key)
-            finished = not held.unread
-            if finished:
-                self._held.remove(held)
-        if finished:
-            _release(held.pin)
+            if owner is None:
+                owner = next(iter(entry.owners))
+            free = self._unclaim_locked(key, owner)
+        _release_all(free)
+
+    def drop(self, owner: Hashable) -> None:
+        """Every claim of ``owner`` (its load is over, or its lookup was given up)."""
+        with self._lock:
+            claim = self._claims.get(owner)
+            free = [pin for key in list(claim.keys) for pin in self._unclaim_locked(key, owner)] if claim else []
+        _release_all(free)
 
     def expire(self) -> int:
-        """Release pins taken more than ``hold_s`` ago; returns the pages let go unread."""
+        """Drop claims made more than ``hold_s`` ago; returns the pages let go unread."""
         cutoff = self._clock() - self.hold_s
+        free: list[Pin] = []
+        count = 0
         with self._lock:
-            old = [h for h in self._held if h.taken_at <= cutoff]
-            for h in old:
-                for key in h.unread:
-                    self._by_key.pop(key, None)
-                self._held.remove(h)
-            count = sum(len(h.unread) for h in old)
+            for owner in [o for o, c in self._claims.items() if c.taken_at <= cutoff]:
+                for key in list(self._claims[owner].keys):
+                    before = len(self._by_key)
+                    free += self._unclaim_locked(key, owner)
+                    count += before - len(self._by_key)
             self.expired_pages += count
-        for h in old:
-            _release(h.pin)
+        _release_all(free)
         return count
 
     def release_all(self) -> None:
         with self._lock:
-            old, self._held = self._held, []
+            pins = {id(e.held): e.held.pin for e in self._by_key.values()}
             self._by_key.clear()
-        for h in old:
-            _release(h.pin)
+            self._claims.clear()
+        _release_all(list(pins.values()))
+
+    def _claim_locked(self, key: bytes, entry: _Entry, owner: Hashable) -> None:
+        entry.owners[owner] = None
+        claim = self._claims.get(owner)
+        if claim is None:
+            claim = self._claims[owner] = _Claim(self._clock())
+        claim.keys.add(key)
+
+    def _unclaim_locked(self, key: bytes, owner: Hashable) -> list[Pin]:
+        """Remove one claim; the pins that no key holds any longer (to release, unlocked)."""
+        entry = self._by_key.get(key)
+        claim = self._claims.get(owner)
+        if claim is not None:
+            claim.keys.discard(key)
+            if not claim.keys:
+                del self._claims[owner]
+        if entry is None or entry.owners.pop(owner, False) is False or entry.owners:
+            return []
+        del self._by_key[key]
+        entry.held.claimed -= 1
+        return [entry.held.pin] if entry.held.claimed == 0 else []
+
+
+def _release_all(pins: list[Pin]) -> None:
+    for pin in pins:
+        _release(pin)
 
 
 def _release(pin: Pin) -> None:
     try:
-        pin.release()
+        pin.release(wait=False)  # by tag, in the background: never waits for the daemon
     except HisparseError as exc:
-        # Unreachable daemon: the pins go with the session (bye or lease expiry).
+        # The client closed meanwhile: the pins went with its session (bye or lease expiry).
         log.debug("unpin of %d pages failed (%s); they are released with the session", pin.count, exc)

@@ -29,67 +29,84 @@ of its own: the KV pool (a region row per token) and, for DeepSeek-V3.2 /
 GLM-5 (``DSATokenToKVPool``), the DSA indexer (a region row per page). An
 entry that packs several buffers per layer is refused at start by name.
 
-Lookups pin what they report until the load reads it (``hold_s``), as in
-the backend; a load whose pages are lost in between (daemon restart) fails
-its batch, which SGLang's scheduler aborts and recomputes. While the daemon
-is away (``gate``) lookups answer no hit and offloads report failure at once.
+Lookups pin what they report until the load reads it (``hold_s``); a hold
+belongs to one lookup, so requests sharing a prefix each keep theirs
+(``holds``). A load whose pins are lost in between (daemon restart) or
+during its copy fails its batch, which SGLang's scheduler aborts and
+recomputes (``lanes``).
+
+SGLang calls ``lookup`` on its scheduler thread. The pins run on the
+linker's lookup thread; the scheduler waits at most ``lookup_budget_s`` for
+them. One that does not come back in time closes the gate (``gate``): from
+then on lookups answer no hit and offloads failure without asking, until
+the gate's probe hears the daemon again. Loads never ask the daemon (their
+pins were taken at lookup, and let go in the background), and run on a
+thread of their own, so an offload waiting on a stalled daemon never holds
+up a load the forward waits for.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
 from sglang.srt.mem_cache.hybrid_cache.linker_pool_assembler import resolve_hybrid_device_pool_group
-from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 
-from hisparse.errors import HisparseError, InvalidArgument, LeaseExpired
+from hisparse.errors import HisparseError, Timeout
 from hisparse.sglang.config import SglangConfig
-from hisparse.sglang.gate import UNREACHABLE, Gate
+from hisparse.sglang.gate import UNREACHABLE
 from hisparse.sglang.holds import PinHolds
-from hisparse.sglang.namespace import PoolGeometry, derive_namespace, key_bytes
-from hisparse.sglang.tier import connect_client
+from hisparse.sglang.lanes import Lane, LoadCounter, lane_geometry, load_batch
+from hisparse.sglang.namespace import derive_namespace, key_bytes
+from hisparse.sglang.tier import connect_client, gate_for
 from hisparse.sglang.versions import check_sglang_version
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Lane:
-    """One device pool entry on its namespace: KV (a row per token) or the DSA indexer (a row per page)."""
+class _Worker:
+    """One thread running jobs in order (the linker has three: lookups, loads, offloads)."""
 
-    pool: str
-    entry: Any
-    geometry: PoolGeometry
-    namespace: str
-    holds: PinHolds
-    client: Any = None
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread.start()
 
-    def device_rows(self, starts: list[int], page_size: int) -> torch.Tensor:
-        if self.geometry.page_size == 1:  # rows are pages
-            return torch.tensor([s // page_size for s in starts], dtype=torch.int64)
-        return torch.cat([s + torch.arange(page_size) for s in starts])
+    def submit(self, job: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._jobs.put((job, future))
+        return future
 
+    def join(self) -> None:
+        self._jobs.join()
 
-def _geometry(pool: str, entry: Any, dtype: str) -> PoolGeometry:
-    """An entry's pages in hisparse's layout: layer-major, region rows = device rows."""
-    buffers = entry.kv_buffer
-    if len(entry.components) != 1:
-        raise InvalidArgument(f"HisparseLinker: device pool {pool} packs several buffers per layer; "
-                              "not supported")
-    rows = buffers[0]
-    row_bytes = rows.stride(0) * rows.element_size()
-    if rows.nbytes != rows.shape[0] * row_bytes or any(b.shape != rows.shape for b in buffers):
-        raise InvalidArgument(f"HisparseLinker: device pool {pool} rows are not uniform and contiguous")
-    block = entry.page_size if entry._row_span == entry.page_size else 1
-    layers = len(buffers)
-    return PoolGeometry(pool, "device", "device", dtype, layers, 0, block, row_bytes,
-                        layers * block * row_bytes, canonical=True)
+    def stop(self, timeout_s: float) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            try:
+                if item is None:
+                    return
+                job, future = item
+                try:
+                    future.set_result(job())
+                except BaseException as exc:  # the submitter decides what a failure means
+                    future.set_exception(exc)
+            finally:
+                self._jobs.task_done()
 
 
 class HisparseLinker(UnifiedCacheLinker):
@@ -115,76 +132,116 @@ class HisparseLinker(UnifiedCacheLinker):
             is_mla_model=replicated, enable_storage_metrics=False, is_page_first_layout=False,
             model_name=getattr(server_args, "served_model_name", None) or server_args.model_path)
         dtype = str(kvcache.dtype).removeprefix("torch.")
-        self.gate = Gate(self.config.down_s, "sglang linker")
-        self.lanes: dict[Any, _Lane] = {}
+        self._client_lock = threading.Lock()
+        self.gate = gate_for(self.config, "sglang linker", self._attach_late)
+        self.lanes: dict[Any, Lane] = {}
         for name, entry in self.pools.items():
-            geometry = _geometry(str(name), entry, dtype)
+            geometry = lane_geometry(str(name), entry, dtype)
             namespace = (f"{self.config.namespace}/{name}" if self.config.namespace
                          else derive_namespace(geometry, storage_config))
-            lane = _Lane(str(name), entry, geometry, namespace, PinHolds(self.config.hold_s))
-            lane.client = connect_client(self.config, namespace, geometry, self.gate, f"sglang linker {name}")
-            self.lanes[name] = lane
-        self._client_lock = threading.Lock()
-        self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
+            self.lanes[name] = Lane(str(name), entry, geometry, namespace, PinHolds(self.config.hold_s))
+        for lane in self.lanes.values():  # a layout mismatch raises here; an absent daemon does not
+            if self.gate.allows():  # else the gate's probe attaches them once the daemon answers
+                lane.client = connect_client(self.config, lane.namespace, lane.geometry, self.gate,
+                                             f"sglang linker {lane.pool}")
+        self.layer_done_counter = LoadCounter(self.num_layers)
         self.pending_loads: dict[str, list[PoolTransfer]] = {}
         self.offload_results: queue.Queue[bool] = queue.Queue()
-        self._work: queue.Queue[Any] = queue.Queue()
-        self.stats = dict.fromkeys(("lookups", "hit_pages", "loaded_pages", "offloaded_pages"), 0)
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"hisparse-linker-tp{tp_rank}")
-        self._thread.start()
+        self._owners: dict[str, tuple[Hashable, float]] = {}  # rid -> its answered lookup's claims
+        self._lookup_ids = itertools.count()
+        self.stats = dict.fromkeys(("lookups", "hit_pages", "loaded_pages", "offloaded_pages",
+                                    "late_lookups"), 0)
+        self._lookups = _Worker(f"hisparse-linker-lookup-tp{tp_rank}")
+        self._loads = _Worker(f"hisparse-linker-load-tp{tp_rank}")
+        self._offloads = _Worker(f"hisparse-linker-offload-tp{tp_rank}")
 
     @property
     def namespace(self) -> str:
         return self.lanes[PoolName.KV].namespace
 
-    def _clients(self) -> bool:
-        """Every lane attached (attaching late if needed) and the gate open."""
-        if not self.gate.allows():
-            return False
+    def _attach_late(self) -> bool:
+        """The gate probe's: attach the lanes the daemon was away for (never raises)."""
         with self._client_lock:
             for lane in self.lanes.values():
                 if lane.client is None:
                     lane.client = connect_client(self.config, lane.namespace, lane.geometry, self.gate,
                                                  f"sglang linker {lane.pool}", late=True)
-                    if lane.client is None:
-                        return False
-        return True
+            return all(lane.client is not None for lane in self.lanes.values())
+
+    def _usable(self) -> bool:
+        """The gate open and every lane attached: a request may be made. Never asks the daemon."""
+        return self.gate.allows() and all(lane.client is not None for lane in self.lanes.values())
 
     @property
     def _on_cuda(self) -> bool:
         return self.lanes[PoolName.KV].entry.kv_buffer[0].is_cuda
 
-    # -- lookup: pin what is found, in every pool --
+    # -- lookup (SGLang's scheduler thread): pin what is found in every pool, within the budget --
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
         if kv is None or not kv.keys:
             return []
-        keys = [key_bytes(k) for k in kv.keys]
         self.stats["lookups"] += 1
-        if not self._clients():
+        if not self._usable():
             return []
+        keys = [key_bytes(k) for k in kv.keys]
+        owner = (rid, next(self._lookup_ids))
+        job = self._lookups.submit(lambda: self._pin_lookup(owner, keys))
+        try:
+            n = job.result(timeout=self.config.lookup_budget_s)
+        except FutureTimeout:
+            # The daemon did not answer within the step's budget: this request misses, and so
+            # does every lookup after it until the probe hears the daemon again. The pins, if
+            # the daemon takes them late, are let go as soon as they come back.
+            self.stats["late_lookups"] += 1
+            self.gate.failed("lookup", Timeout(f"no pin within the step budget of "
+                                               f"{self.config.lookup_budget_s:.3g} s"))
+            job.add_done_callback(lambda _: self._drop(owner))
+            return []
+        except Exception as exc:  # nothing raises out of SGLang's scheduler
+            log.warning("hisparse linker lookup failed: %s", exc)
+            self._drop(owner)
+            return []
+        if n == 0:
+            self._drop(owner)
+            return []
+        now = time.monotonic()
+        previous = self._owners.pop(rid, None)
+        if previous is not None:
+            self._drop(previous[0])  # this lookup's holds replace the earlier one's
+        self._owners[rid] = (owner, now)
+        for stale in [r for r, (_, at) in self._owners.items() if at < now - self.config.hold_s]:
+            self._drop(self._owners.pop(stale)[0])  # looked up, never loaded: expired anyway
+        self.stats["hit_pages"] += n
+        return list(range(1, n + 1))
+
+    def _pin_lookup(self, owner: Hashable, keys: list[bytes]) -> int:
+        """On the lookup thread: the leading pages held in every lane, each claimed by ``owner``."""
         n = len(keys)
         try:
             for lane in self.lanes.values():
                 lane.holds.expire()
-                held = lane.holds.leading(keys[:n])
+                held = lane.holds.claim(keys[:n], owner)
                 if held < n:
                     pin = lane.client.pin(keys[held:n])
                     held += pin.count
-                    lane.holds.add(pin)
+                    lane.holds.add(pin, owner)
                 n = min(n, held)
         except UNREACHABLE as exc:
             self.gate.failed("lookup", exc)
-            return []
+            return 0
         except HisparseError as exc:
             log.warning("hisparse linker lookup failed: %s", exc)
-            return []
+            return 0
         self.gate.succeeded()
-        self.stats["hit_pages"] += n
-        return list(range(1, n + 1))
+        return n
 
-    # -- loads: queued, then run layer by layer on the linker's thread --
+    def _drop(self, owner: Hashable) -> None:
+        for lane in self.lanes.values():
+            lane.holds.drop(owner)
+
+    # -- loads: queued, then run layer by layer on the load thread --
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         expanded = [t for t in self.pool_group.resolve_transfers(transfers, allow_partial=True,
@@ -197,6 +254,9 @@ class HisparseLinker(UnifiedCacheLinker):
         return True
 
     def cancel_queued_load(self, rid: str) -> bool:
+        owner = self._owners.pop(rid, None)
+        if owner is not None:
+            self._drop(owner[0])
         return self.pending_loads.pop(rid, None) is not None
 
     def start_layer_wise_loading(self) -> int:
@@ -207,52 +267,32 @@ class HisparseLinker(UnifiedCacheLinker):
         ready = torch.cuda.Event() if self._on_cuda else None
         if ready is not None:
             ready.record()
-        self._work.put(("load", index, [t for ts in pending.values() for t in ts], ready))
+        batch = []
+        for rid, ts in pending.items():
+            owner = self._owners.pop(rid, (None, 0.0))[0]
+            batch += [(owner, t) for t in ts]
+        self._loads.submit(lambda: self._load(index, batch, ready))
         return index
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         return self.layer_done_counter.finish(counter_index)
 
-    def _starts(self, transfer: PoolTransfer) -> list[int]:
-        return transfer.host_indices.detach().to("cpu", torch.int64).reshape(-1, self.page_size)[:, 0].tolist()
+    def _load(self, index: int, batch: list[tuple[Hashable, PoolTransfer]], ready: Any) -> None:
+        def let_go() -> None:  # read (or failed): its pins go, in the background
+            for owner in {owner for owner, _ in batch if owner is not None}:
+                self._drop(owner)
 
-    def _load(self, index: int, transfers: list[PoolTransfer], ready: Any) -> None:
-        if ready is not None:
-            ready.synchronize()
-        ps = self.page_size
-        plans = []  # per lane: (lane, pins used, region rows, device rows)
-        for t in transfers:
-            lane = self.lanes[t.name]
-            pins, region_pages = [], []
-            for key in t.keys:
-                held = lane.holds.get(key_bytes(key))
-                if held is None:
-                    raise LeaseExpired(f"HisparseLinker: {t.name} page {key[:16]}... is no longer held "
-                                       "(evicted, or its session lost since lookup); the request recomputes")
-                pins.append((key_bytes(key), held[0]))
-                region_pages.append(int(held[0].page_ids[held[1]]))
-            block = lane.geometry.page_size
-            region_rows = torch.cat([p * block + torch.arange(block) for p in region_pages])
-            plans.append((lane, pins, region_rows, lane.device_rows(self._starts(t), ps)))
-        device = self.lanes[PoolName.KV].entry.kv_buffer[0].device
-        for layer in range(self.num_layers):
-            for lane, _, region_rows, dev_rows in plans:
-                src = lane.client.layer_rows(layer, device=None if device.type == "cpu" else device)
-                dst = lane.entry.kv_buffer[layer]
-                dst.view(torch.uint8).view(dst.shape[0], -1)[dev_rows.to(device)] = src[region_rows.to(device)]
-            self.layer_done_counter.complete(index, layer)
-        if self._on_cuda:
-            torch.cuda.current_stream().synchronize()
-        lost = 0
-        for lane, pins, _, _ in plans:
-            for key, pin in pins:
-                lost += not pin.held
-                lane.holds.done(key)
-        if lost:  # copied under a hold that is gone: never trusted
-            raise LeaseExpired(f"HisparseLinker: {lost} pages lost their pins during the load")
-        self.stats["loaded_pages"] += sum(len(p[1]) for p in plans)
+        try:
+            if ready is not None:
+                ready.synchronize()
+            self.stats["loaded_pages"] += load_batch(self.lanes, self.layer_done_counter, index,
+                                                     self.num_layers, self.page_size, batch, let_go)
+        except BaseException as exc:  # the batch's requests are aborted by SGLang
+            let_go()  # before the failure is seen: nothing of the batch stays held after it
+            log.warning("hisparse linker load failed: %s", exc)
+            self.layer_done_counter.fail(index, exc)
 
-    # -- offloads --
+    # -- offloads: on a thread of their own --
 
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
         expanded = [t for t in self.pool_group.resolve_transfers(transfers, allow_partial=True) if t.keys]
@@ -262,25 +302,33 @@ class HisparseLinker(UnifiedCacheLinker):
             self.offload_results.put(True)
             return True
         ready = self.record_offload_ready() if self._on_cuda else []
-        self._work.put(("offload", expanded, ready))
+        self._offloads.submit(lambda: self.offload_results.put(self._offload_quietly(expanded, ready)))
         return True
+
+    def _offload_quietly(self, transfers: list[PoolTransfer], ready: list[Any]) -> bool:
+        try:
+            return self._offload(transfers, ready)
+        except Exception as exc:
+            log.warning("hisparse linker offload failed: %s", exc)
+            return False
 
     def _offload(self, transfers: list[PoolTransfer], ready: list[Any]) -> bool:
         for event in ready:
             event.synchronize()
-        if not self._clients():
+        if not self._usable():
             return False
         done = True
         for t in transfers:
             lane = self.lanes[t.name]
             g = lane.geometry
             keys = [key_bytes(k) for k in t.keys]
-            rows = lane.device_rows(self._starts(t), self.page_size).to(lane.entry.kv_buffer[0].device)
+            starts = t.host_indices.detach().to("cpu", torch.int64).reshape(-1, self.page_size)[:, 0].tolist()
+            rows = lane.device_rows(starts, self.page_size).to(lane.entry.kv_buffer[0].device)
             layers = torch.stack([b.view(torch.uint8).view(b.shape[0], -1)[rows] for b in lane.entry.kv_buffer])
             pages = layers.view(g.num_layers, len(keys), -1).transpose(0, 1).reshape(len(keys), -1)
             try:
-                lane.client.store(keys, pages)
-                held = lane.client.lookup(keys)
+                written = lane.client.store(keys, pages)
+                held = len(keys) if written == len(keys) else lane.client.lookup(keys)
             except UNREACHABLE as exc:
                 self.gate.failed("offload", exc)
                 return False
@@ -288,29 +336,6 @@ class HisparseLinker(UnifiedCacheLinker):
             done = done and held == len(keys)
         self.gate.succeeded()
         return done
-
-    def _run(self) -> None:
-        while True:
-            task = self._work.get()
-            try:
-                if task is None:
-                    return
-                if task[0] == "load":
-                    _, index, transfers, ready = task
-                    try:
-                        self._load(index, transfers, ready)
-                    except BaseException as exc:  # the batch's requests are aborted by SGLang
-                        log.warning("hisparse linker load failed: %s", exc)
-                        self.layer_done_counter.fail(index, exc)
-                else:
-                    try:
-                        ok = self._offload(task[1], task[2])
-                    except HisparseError as exc:
-                        log.warning("hisparse linker offload failed: %s", exc)
-                        ok = False
-                    self.offload_results.put(ok)
-            finally:
-                self._work.task_done()
 
     def num_completed_offloads(self) -> int:
         return self.offload_results.qsize()
@@ -320,15 +345,20 @@ class HisparseLinker(UnifiedCacheLinker):
 
     def reset(self) -> None:
         self.pending_loads.clear()
-        self._work.join()
+        self._loads.join()
+        self._offloads.join()
         while not self.offload_results.empty():
             self.offload_results.get_nowait()
         self.layer_done_counter.reset()
+        for owner, _ in list(self._owners.values()):
+            self._drop(owner)
+        self._owners.clear()
 
     def close(self) -> None:
+        self.gate.close()
         self.reset()
-        self._work.put(None)
-        self._thread.join(timeout=10)
+        for worker in (self._lookups, self._loads, self._offloads):
+            worker.stop(timeout_s=10)
         for lane in self.lanes.values():
             lane.holds.release_all()
             if lane.client is not None:

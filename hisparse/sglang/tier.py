@@ -4,23 +4,26 @@
 calls do for one pool (the KV pool, the DSA indexer pool, ...). Keys are
 SGLang's page hashes; page ``i`` of a call sits at host slot
 ``host_indices[i * page_size]``. Each call is answered from the daemon
-within the client's ``timeout_s``, or as a miss while the gate is closed
-(``gate``); none raises for an unreachable daemon.
+within the client's ``timeout_s`` (one unanswered request, never a second
+wait for its clean-up), or as a miss while the gate is closed (``gate``);
+none raises for an unreachable daemon.
 
 The client is attached when the pool is registered (a layout mismatch is a
-configuration error and raised there); when the daemon is not up then, it
-is attached on first use after the gate's down window.
+configuration error and raised there); when the daemon is not up then, the
+gate's probe attaches it once the daemon answers, off SGLang's threads.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
 from hisparse.client import Client, attach
+from hisparse.client.transport import default_socket_path, ping
 from hisparse.errors import ClusterUnavailable, HisparseError, LeaseExpired
 from hisparse.sglang.codec import PageCodec
 from hisparse.sglang.config import SglangConfig
@@ -55,6 +58,20 @@ def connect_client(config: SglangConfig, namespace: str, geometry: PoolGeometry,
     return client
 
 
+def gate_for(config: SglangConfig, name: str, on_up: Callable[[], bool]) -> Gate:
+    """An outage gate whose probe pings the daemon of ``config`` within ``timeout_s``."""
+    socket = config.socket or default_socket_path()
+
+    def probe() -> bool:
+        try:
+            ping(socket, config.timeout_s)
+        except HisparseError:
+            return False
+        return True
+
+    return Gate(config.down_s, name, probe=probe, on_up=on_up)
+
+
 class PoolTier:
     def __init__(self, config: SglangConfig, host_pool: Any, geometry: PoolGeometry, namespace: str,
                  *, writer: bool, name: str) -> None:
@@ -63,7 +80,7 @@ class PoolTier:
         self.namespace = namespace
         self.writer = writer  # False: another TP rank stores this pool's pages (MLA KV)
         self.codec = PageCodec(host_pool, geometry)
-        self.gate = Gate(config.down_s, f"{name} ({namespace})")
+        self.gate = gate_for(config, f"{name} ({namespace})", self._attach_late)
         self.holds = PinHolds(config.hold_s)
         self._name = name
         self._lock = threading.Lock()
@@ -84,18 +101,23 @@ class PoolTier:
                                                   self._name)
         return self._client
 
-    def _usable(self) -> Client | None:
-        if not self.gate.allows():
-            self.counters["skipped_calls"] += 1
-            return None
+    def _attach_late(self) -> bool:
+        """The probe's: attach if the daemon was away at start (never raises); True when attached."""
         if self._client is None:
             with self._lock:
-                if self._client is None:  # a late attach from an IO thread never raises
+                if self._client is None:
                     self._client = connect_client(self.config, self.namespace, self.geometry,
                                                   self.gate, self._name, late=True)
+        return self._client is not None
+
+    def _usable(self) -> Client | None:
+        if not self.gate.allows() or self._client is None:
+            self.counters["skipped_calls"] += 1
+            return None
         return self._client
 
     def close(self) -> None:
+        self.gate.close()
         self.holds.release_all()
         with self._lock:
             client, self._client = self._client, None
@@ -112,14 +134,16 @@ class PoolTier:
         if client is None:
             return 0
         self.holds.expire()
-        n = self.holds.leading(kb)
+        owner = self.holds.new_owner()  # batch_get_v1 reads what this reports: its claims
+        n = self.holds.claim(kb, owner)
         try:
             if n < len(kb):
-                n += self._pin(client, kb[n:])
+                n += self._pin(client, kb[n:], owner)
             if n < len(kb) and self.config.cluster:
-                n += self._promote(client, kb[n:])
+                n += self._promote(client, kb[n:], owner)
         except UNREACHABLE as exc:
             self.gate.failed("exists", exc)
+            self.holds.drop(owner)
             return 0
         except HisparseError as exc:  # a quota, a session lost twice: this call misses
             log.warning("hisparse exists on %s failed: %s", self.namespace, exc)
@@ -128,13 +152,13 @@ class PoolTier:
         self.counters["hit_pages"] += n
         return n
 
-    def _pin(self, client: Client, keys: list[bytes]) -> int:
+    def _pin(self, client: Client, keys: list[bytes], owner: Hashable) -> int:
         pin = client.pin(keys)
         count = pin.count
-        self.holds.add(pin)
+        self.holds.add(pin, owner)
         return count
 
-    def _promote(self, client: Client, keys: list[bytes]) -> int:
+    def _promote(self, client: Client, keys: list[bytes], owner: Hashable) -> int:
         """Pages after the local prefix that the cluster tier (or a P/D peer) holds: promote, pin."""
         try:
             _, remote = client.lookup_remote(keys, wait=True)
@@ -144,7 +168,7 @@ class PoolTier:
         except ClusterUnavailable as exc:
             log.debug("cluster tier unavailable for %s: %s", self.namespace, exc)
             return 0
-        n = self._pin(client, keys)
+        n = self._pin(client, keys, owner)
         self.counters["promoted_pages"] += n
         return n
 

@@ -170,10 +170,3 @@ def capacity(model: ModelPreset, node: NodeSpec, engine: EngineConfig, perf: Per
         hisparse_running=running, full_host_bytes_needed=users * parked,
         hisparse_host_bytes_needed=hs_host_needed, h2d_bytes_per_step=step_bytes,
         h2d_s_per_step=per_gpu_requests * step_bytes / node.h2d_bytes_per_s)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``hisparse plan [--scenario NAME] [--json] [--plot FILE.png] ...``"""
-    from hisparse.sim import plan_cli
-
-    return plan_cli.main(argv)

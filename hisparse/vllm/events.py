@@ -16,6 +16,8 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import Medium, OffloadingEvent, OffloadKey
 
+from hisparse.vllm.compat import make_event
+
 
 class TierEvents:
     def __init__(self, enabled: bool, medium: Medium = Medium.CPU) -> None:
@@ -27,9 +29,8 @@ class TierEvents:
     def stored(self, keys: list[bytes], req_context: Any) -> None:
         if self.enabled and keys:
             self._announced.update(keys)
-            self._events.append(OffloadingEvent(keys=[OffloadKey(k) for k in keys], medium=self.medium,
-                                                removed=False, removal_expected=True,
-                                                req_context=req_context))
+            self._events.append(make_event(keys=[OffloadKey(k) for k in keys], medium=self.medium,
+                                           removed=False, removal_expected=True, req_context=req_context))
 
     def removed(self, keys: Iterable[bytes]) -> None:
         """Evicted: reported once, for keys that were announced stored."""
@@ -37,12 +38,14 @@ class TierEvents:
         if gone:
             self._announced.difference_update(gone)
             if self.enabled:
-                self._events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True))
+                self._events.append(make_event(keys=gone, medium=self.medium, removed=True))
 
     def aborted(self, keys: list[bytes]) -> None:
         if self.enabled and keys:
-            self._events.append(OffloadingEvent(keys=[OffloadKey(k) for k in keys], medium=self.medium,
-                                                removed=True, metadata_only=True))
+            event = make_event(keys=[OffloadKey(k) for k in keys], medium=self.medium, removed=True,
+                               metadata_only=True)
+            if event is not None:
+                self._events.append(event)
 
     @property
     def pending(self) -> bool:

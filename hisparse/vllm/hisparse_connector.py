@@ -30,7 +30,9 @@ defaults (extensible KV cache, CUDA graphs) that request comes *before* this
 connector is built; the connector adopts it, or, without the plugin,
 replaces a private pool no layer uses or refuses to start
 (``worker_pool``). ``start_load_kv`` locks the step's fence files first
-(``fences.WorkerFences``).
+(``fences.WorkerFences``). At vLLM's handshake each worker reports the
+region it mapped (``RegionHandshake``) and the scheduler's pool checks it
+is the one it is bound to (``region_guard``).
 
 Extra config keys besides vLLM's ``host_pool_gib``: ``socket``,
 ``namespace``, ``timeout_s``, ``hash_algo``, ``mirror_refresh_s``
@@ -43,7 +45,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
     HiSparseConnector as VllmHiSparseConnector,
 )
@@ -68,6 +70,14 @@ log = logging.getLogger(__name__)
 # worker_pool's attach_host_region and region_info: public here too (re-exported on purpose)
 __all__ = ["HiSparseConnector", "HiSparsePoolMetadata", "account_for_growth", "attach_host_region",
            "install_daemon_pool", "pin_before_lookups", "region_info", "reserve_before_admission"]
+
+
+@dataclass(frozen=True)
+class RegionHandshake(KVConnectorHandshakeMetadata):
+    """What a worker reports at vLLM's handshake: the region it mapped (``region_guard``)."""
+
+    path: str
+    region_id: int
 
 
 @dataclass
@@ -112,6 +122,17 @@ class HiSparseConnector(VllmHiSparseConnector):
         reserve_before_admission(manager, self.host_pool)
         account_for_growth(kv_cache_manager, manager, self.host_pool,
                            max_model_len=int(self._vllm_config.model_config.max_model_len))
+
+    def get_handshake_metadata(self) -> RegionHandshake | None:
+        key = getattr(self.worker_pool, "region_key", None)
+        return None if key is None else RegionHandshake(*key)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        # Before the first request: every worker must map the region the pool is bound to.
+        super().set_xfer_handshake_metadata(metadata)
+        if self.host_pool is not None:
+            self.host_pool.bind_worker_regions([(m.path, m.region_id) for m in metadata.values()
+                                                if isinstance(m, RegionHandshake)])
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)

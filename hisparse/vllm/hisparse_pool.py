@@ -56,7 +56,9 @@ step's releases still go. After a daemon restart the
 old session's reservations and pins are gone: blocks in use stay in use
 (their pages stay fenced while this process holds the old session's fence,
 see docs/vllm-hisparse.md) but are not published, and freed ones are
-simply forgotten.
+simply forgotten. After a change of region (``hisparsectl drop --force``, a
+``--fresh`` restart, a resize) the pool leaves the tier instead: its worker
+cannot follow (``region_guard``).
 """
 
 from __future__ import annotations
@@ -79,12 +81,13 @@ from hisparse.vllm.fences import SessionFences
 from hisparse.vllm.host_batches import Batch, Reserve, StepBatches, run_reserve
 from hisparse.vllm.host_lookups import LookupPins
 from hisparse.vllm.mirror import KeyMirror
+from hisparse.vllm.region_guard import RegionBinding
 from hisparse.vllm.rpc import NamespaceOps, Session
 
 log = logging.getLogger(__name__)
 
 
-class DaemonHostBlockPool(LookupPins, StepBatches, SharedEventQueueBlockPool):
+class DaemonHostBlockPool(RegionBinding, LookupPins, StepBatches, SharedEventQueueBlockPool):
     """See the module docstring. ``step_blocks``: spare stock kept beyond what admitted requests need."""
 
     def __init__(self, ops: NamespaceOps, *, num_blocks: int, step_blocks: int, block_size: int,
@@ -130,6 +133,7 @@ class DaemonHostBlockPool(LookupPins, StepBatches, SharedEventQueueBlockPool):
         self.counters = dict.fromkeys(("reserve_requests", "publish_requests", "pin_requests",
                                        "published", "duplicates", "lookup_pins", "lookup_pin_misses",
                                        "orphaned", "refusals", "waited_ms"), 0)
+        self._bind_region()  # the region the worker maps (region_guard)
         self._courier = Courier(self._ping, timeout_s=ops.client.timeout_s, on_idle=self._on_idle,
                                 clock=clock)
 
@@ -170,7 +174,9 @@ class DaemonHostBlockPool(LookupPins, StepBatches, SharedEventQueueBlockPool):
     def _refill(self, count: int, *, budget_s: float | None = None) -> int:
         """Reserve ``count`` more pages (the courier sends it); how many the daemon gave, 0 when
         the answer did not come within ``budget_s`` (None: wait for it; tests)."""
-        if count <= 0 or (budget_s is not None and not self._courier.answering):
+        if count <= 0 or self.tier_left is not None:
+            return 0  # the pool left the tier: nothing more is reserved (region_guard)
+        if budget_s is not None and not self._courier.answering:
             return 0
         with self._lock:
             reserve = Reserve(self._placeholders(count))
@@ -246,7 +252,8 @@ class DaemonHostBlockPool(LookupPins, StepBatches, SharedEventQueueBlockPool):
             self._stock.append(page)
         elif page in self._pinned:
             session, _ = self._pinned.pop(page)
-            self._unpins_next.append((session, page))
+            if self.tier_left is None:
+                self._unpins_next.append((session, page))
             self._forget_hash(block)
 
     def fence_paths(self) -> tuple[str, ...]:
@@ -275,6 +282,8 @@ class DaemonHostBlockPool(LookupPins, StepBatches, SharedEventQueueBlockPool):
         with self._lock:
             super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
                                       kv_cache_group_id, block_mask)
+            if self.tier_left is not None:
+                return  # published nowhere: the bytes are in a region the namespace left (region_guard)
             for block in blocks[num_cached_blocks:num_full_blocks]:
                 page = block.block_id
                 if (block.is_null or block.block_hash is None or page not in self._reserved
@@ -294,7 +303,7 @@ class DaemonHostBlockPool(LookupPins, StepBatches, SharedEventQueueBlockPool):
             self._fences.step()
             self._drop_lookup_pins()
             self._prune_lost_sessions()
-            if self._batch_job is None and self._courier.answering:
+            if self._batch_job is None and self._courier.answering and self.tier_left is None:
                 batch = self._build_batch(refill=True, mirror=self._mirror.due())
                 if batch:
                     job = self._batch_job = self._submit(lambda: batch.run(self._ops),
@@ -318,6 +327,8 @@ class DaemonHostBlockPool(LookupPins, StepBatches, SharedEventQueueBlockPool):
         while something is still queued (an unpin waits one batch): the courier calls again."""
         with self._lock:
             self._collect()
+            if self.tier_left is not None:
+                return False  # no daemon request any more (region_guard)
             if self._batch_job is not None:
                 return True
             self._drop_lookup_pins()

@@ -155,7 +155,9 @@ class StepBatches:
     counters: dict[str, int]
     blocks: list[Any]
     step_blocks: int
-    # and, from DaemonHostBlockPool: _release(page), _forget_hash(block), _stock_target(idle=)
+    tier_left: str | None
+    # and, from DaemonHostBlockPool: _release(page), _forget_hash(block), _stock_target(idle=);
+    # from region_guard.RegionBinding: _addresses_worker_region(session), _region_moved()
 
     def _build_batch(self, *, refill: bool, mirror: bool, idle: bool = False) -> Batch:
         """``idle``: no step came for a while; the stock keeps only what running requests need.
@@ -255,6 +257,8 @@ class StepBatches:
                 self._refused = True
             return 0
         self.counters["reserve_requests"] += 1
+        if not self._addresses_worker_region(reserve.session):
+            return 0  # a new region: the pool left the tier, its client gives these back (region_guard)
         for key in reserve.evicted:
             self._mirror.note_evicted(bytes(key))
         if len(reserve.slots) < len(reserve.keys):
@@ -283,6 +287,8 @@ class StepBatches:
 
     def _prune_lost_sessions(self) -> None:
         """Holdings of a session the daemon no longer knows (restart, expiry) are gone. Local."""
+        if self._region_moved():
+            return  # not gone: the old region's pages stay this engine's (region_guard)
         live = self._ops.session_is_live
         if all(live(s) for s, _ in self._reserved.values()) and all(
                 live(s) for s, _ in self._pinned.values()):

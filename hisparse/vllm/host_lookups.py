@@ -46,6 +46,8 @@ class LookupPins:
     _collect: Callable[[], None]
     _forget_hash: Callable[[Any], None]
     _insert_block_hash: Callable[..., None]
+    _addresses_worker_region: Callable[[Any], bool]
+    tier_left: str | None
 
     def pin_prefix(self, keys: Sequence[bytes]) -> int:
         """Pin the pages of another engine that continue this engine's prefix of ``keys``.
@@ -58,7 +60,7 @@ class LookupPins:
         in time: an answer later than the step's budget becomes lookup pins
         the next flush drops. Nothing while the daemon does not answer.
         """
-        if not self._courier.answering:
+        if not self._courier.answering or self.tier_left is not None:
             return 0
         if self._mirror.due():
             job = self._submit(self._mirror.fetch, lambda done: done.error or self._mirror.apply(done.result))
@@ -90,6 +92,8 @@ class LookupPins:
             return 0
         pages, session = job.result
         self.counters["pin_requests"] += 1
+        if not self._addresses_worker_region(session):
+            return 0  # pages of a new region: the pool left the tier (region_guard)
         if not self._fences.hold(session):
             return 0  # its fence was let go: those pages may be anyone's now (fences.SessionFences)
         pinned = 0

@@ -182,6 +182,7 @@ def region_host_pool_class() -> type:
             self.client = client
             self.geometry = geometry
             self.device_index = device_index
+            self.region_key: tuple[str, int] | None = None  # the region mapped, for vLLM's handshake
 
         def allocate(self, size: int) -> torch.Tensor:
             import torch
@@ -192,7 +193,11 @@ def region_host_pool_class() -> type:
             if size != self.geometry.region_bytes:
                 raise GeometryMismatch(f"vLLM asks for a {size} B host pool; the region holds "
                                        f"{self.geometry.region_bytes} B")
-            region = self.client.session.region
+            session = self.client.session
+            region = session.region
+            # For good: the scheduler's pool must address this region (region_guard), even
+            # after this client re-attaches to a new one.
+            self.region_key = session.region_key
             if self.device_index is not None:
                 from hisparse.client.backends import cuda
 

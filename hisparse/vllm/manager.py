@@ -2,9 +2,11 @@
 
 The scheduler's thread never waits long for the daemon: everything but
 ``reserve`` runs on the manager's background thread (``syncer.Syncer``),
-and ``reserve`` has a deadline well under a decode step (``deadline_s``).
-State the two threads share is guarded by ``lock``, which vLLM holds
-around every call and across a step (lookup ... prepare_load).
+``reserve`` has a deadline well under a decode step (``deadline_s``), and
+the first one missed makes every lookup a MISS and every store skipped,
+without asking, until the background thread hears the daemon again. State
+the two threads share is guarded by ``lock``, which vLLM holds around every
+call and across a step (lookup ... prepare_load).
 
 Per primitive (vLLM's ``OffloadingManager`` contract, daemon ops in brackets):
 
@@ -19,8 +21,7 @@ Per primitive (vLLM's ``OffloadingManager`` contract, daemon ops in brackets):
   in the background]; an unused hold also ages out after ``hold_s``.
 - ``prepare_store`` [reserve, on this thread, ``deadline_s``]: pages for the
   keys nobody committed; ``None`` when nothing can be stored or the daemon
-  does not answer in time. Evicted keys (named by the reply) leave the
-  mirror at once.
+  does not answer in time. Evicted keys leave the mirror at once.
 - ``complete_store`` [commit | abort, in the background]: the keys answer
   HIT_PENDING until the commit is done.
 - ``reset_cache`` [clear]: clears the namespace (needs the daemon's admin
@@ -39,7 +40,6 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
-    ConfigInfoMapping,
     LoadStoreSpec,
     LookupResult,
     Medium,
@@ -51,10 +51,12 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hisparse.errors import DaemonUnavailable, HisparseError, LeaseExpired, Timeout
 from hisparse.protocol import SLOT_BUSY
 from hisparse.vllm.cluster import ClusterPromotions
+from hisparse.vllm.compat import ConfigInfoMapping
 from hisparse.vllm.config import AdapterConfig, check_key
 from hisparse.vllm.events import TierEvents
 from hisparse.vllm.holds import Holds, Release
@@ -114,7 +116,7 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._syncer = Syncer(ops, self._mirror, self._holds, self._lock,
                               interval_s=config.mirror_refresh_s, hold_s=config.hold_s,
                               on_changes=self._on_changes, on_published=self._on_published,
-                              on_lost=self._on_lost, silence_s=config.timeout_s, clock=clock)
+                              on_lost=self._on_lost, clock=clock)
         # The first round at start: a full scan, and the daemon starts recording events for us.
         self._syncer.round()
         self._syncer.start()
@@ -145,11 +147,10 @@ class HiSparseOffloadingManager(OffloadingManager):
         result = self._cluster.miss(key)  # RETRY while the daemon promotes it from the cluster
         if result is LookupResult.MISS:
             self._counts["LOOKUP_MISSES"] += 1
+            self._ops.missed_keys += 1  # told to the daemon with the next pin (NamespaceOps)
         return result
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
         if key in self._cluster.promoted:
             return CacheHitSource.P2P  # promoted from the cluster tier (another node's pages)
         return CacheHitSource.HOST  # the node's host memory, shared by its engines
@@ -231,7 +232,7 @@ class HiSparseOffloadingManager(OffloadingManager):
             self._check_key(offer[0])
         if not offer:
             return PrepareStoreOutput(keys_to_store=[], store_spec=HiSparseLoadStoreSpec([]), evicted_keys=[])
-        if not self._syncer.up:
+        if not self._syncer.may_call:  # away, or pausing after a missed deadline: no wait at all
             self._counts["ALLOCATION_FAILURES"] += 1
             return None
         try:
@@ -240,19 +241,18 @@ class HiSparseOffloadingManager(OffloadingManager):
             # room for the new keys never evicts the older part of this very chain.
             slots, evicted_raw, session = self._ops.reserve(offer, session=session,
                                                             timeout_s=self._config.deadline_s)
-        except LeaseExpired as exc:
-            self._syncer.unreachable("reserve", exc)  # the background thread re-attaches
-            self._counts["ALLOCATION_FAILURES"] += 1
-            return None
-        except (DaemonUnavailable, Timeout) as exc:
-            # The daemon may still act on it: ops.reserve gives back what this call reserved.
-            self._syncer.unanswered("reserve", exc)  # slow is not down
-            self._counts["ALLOCATION_FAILURES"] += 1
-            return None
         except HisparseError as exc:
-            log.error("hisparsed reserve failed: %s", exc)
+            if isinstance(exc, LeaseExpired):
+                self._syncer.unreachable("reserve", exc)  # the background thread re-attaches
+            elif isinstance(exc, (DaemonUnavailable, Timeout)):
+                # The daemon may still act on it: ops.reserve gives back what this call reserved.
+                # Slow or gone, the next steps must not pay the deadline again: away until it answers.
+                self._syncer.missed("reserve", exc)
+            else:
+                log.error("hisparsed reserve failed: %s", exc)
             self._counts["ALLOCATION_FAILURES"] += 1
             return None
+        self._syncer.answered()
         to_store: list[OffloadKey] = []
         pages: list[int] = []
         for key, slot in zip(offer, slots):
@@ -275,8 +275,7 @@ class HiSparseOffloadingManager(OffloadingManager):
                                   evicted_keys=evicted)
 
     def _evicted_now(self, evicted: list[OffloadKey]) -> None:
-        """Our reserve evicted these: gone from lookups and announced removed, at once."""
-        self._counts["EVICTED_KEYS"] += len(evicted)
+        self._counts["EVICTED_KEYS"] += len(evicted)  # ours: gone from lookups, announced removed
         for key in evicted:
             self._mirror.note_evicted(key)
         self._events.removed(evicted)  # the refresh that brings the same evictions skips them
@@ -308,10 +307,9 @@ class HiSparseOffloadingManager(OffloadingManager):
         self._events.removed(removed)
 
     def _on_lost(self, keys: list[bytes]) -> None:
-        # A restarted daemon (or an expired lease) dropped these pins: the next
-        # lookups pin the keys again. Reservations of the lost session stay
-        # until their complete_store (the worker may still hold the fence);
-        # their commit is then refused and dropped.
+        # A restarted daemon (or an expired lease) dropped these pins: the next lookups pin the
+        # keys again. The lost session's reservations stay until their complete_store (the
+        # worker may still hold the fence); their commit is then refused and dropped.
         if keys:
             log.info("%d pinned keys lost with their hisparsed session", len(keys))
 
@@ -327,6 +325,8 @@ class HiSparseOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         try:
+            if not self._syncer.up:  # the scheduler's thread waits for no daemon known away
+                raise DaemonUnavailable("hisparsed does not answer")
             cleared = self._ops.clear()
         except DaemonUnavailable as exc:
             # A reset is a barrier: the clear goes as soon as the daemon answers (after the
@@ -377,6 +377,7 @@ class HiSparseOffloadingManager(OffloadingManager):
         snap.update(usage_perc=len(self._mirror) / self.num_pages, committed_keys=len(self._mirror),
                     writing_keys=len(self._writing), mirror_resyncs=self._mirror.resyncs,
                     held_keys=len(self._holds), daemon_up=self._syncer.up,
+                    deadline_misses=self._syncer.deadline_misses,
                     pending_jobs=self._syncer.pending_jobs,
                     loads_in_flight=sum(len(v) for v in self._loads.values()))
         if reset:

@@ -65,6 +65,8 @@ def derive_layout(config: OffloadingConfig) -> KVLayout:
 
 def compatibility_fields(config: OffloadingConfig, layout: KVLayout, hash_algo: str) -> dict[str, Any]:
     """Everything that decides a page's bytes for a key; equal fields, equal pages."""
+    from hisparse.vllm.compat import group_window
+
     p = config.parallel
     return {
         "schema": NAMESPACE_SCHEMA,
@@ -74,7 +76,7 @@ def compatibility_fields(config: OffloadingConfig, layout: KVLayout, hash_algo: 
         "groups": [
             {"group_id": g.group_id, "tokens_per_block": g.tokens_per_block,
              "layer_names": list(g.layer_names),
-             "sliding_window_size_in_chunks": g.sliding_window_size_in_chunks}
+             "sliding_window_size_in_chunks": group_window(g)}
             for g in config.groups
         ],
         "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,

@@ -41,6 +41,11 @@ class NamespaceOps:
     def __init__(self, client: Client) -> None:
         self.client = client
         self._events_session: ClientSession | None = None
+        # A mirror's lookups never reach the daemon: with mirror_lookups (the manager's ops) each
+        # pin carries the keys the mirror missed since the last one, so the namespace counts them
+        # as lookups (its hits: the keys pinned) in hisparsectl stats and the metrics.
+        self.mirror_lookups = False
+        self.missed_keys = 0
 
     # -- writes: reserve, then commit or abort on the same session --
 
@@ -118,7 +123,10 @@ class NamespaceOps:
         try:
             while start < len(keys):
                 chunk = keys[start:start + MAX_KEYS_PER_REQUEST]
-                body, session = self._call(session, Op.PIN, timeout_s, keys=chunk, tag=tag)
+                missed = None
+                if self.mirror_lookups:
+                    missed, self.missed_keys = self.missed_keys, 0
+                body, session = self._call(session, Op.PIN, timeout_s, keys=chunk, tag=tag, missed=missed)
                 got = [int(p) for p in body["pages"]]
                 pages.extend(got)
                 start += len(got)

@@ -22,9 +22,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from hisparse.vllm.compat import ConfigInfo  # first: refuses an unsupported vLLM by name
+
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    ConfigInfo,
     OffloadingManager,
     OffloadingMetricMetadata,
     OffloadingSpec,
@@ -33,6 +34,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hisparse.errors import DaemonUnavailable, InvalidArgument
+from hisparse.vllm.compat.adapters import manager_class, worker_class
 from hisparse.vllm.config import AdapterConfig
 from hisparse.vllm.engine import check_extra_config, find_vllm_config, prepare_engine
 from hisparse.vllm.manager import HiSparseOffloadingManager
@@ -105,10 +107,11 @@ class HiSparseOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             ops = self._ops("scheduler")
+            ops.mirror_lookups = True  # its pins report its lookups: the daemon's hit rate counts them
             info = HiSparseInfo(hisparse_namespace=self.namespace, hisparse_num_pages=ops.client.num_pages,
                                 hisparse_page_bytes=self.layout.page_bytes,
                                 hisparse_socket=ops.client.socket_path)
-            self._manager = HiSparseOffloadingManager(
+            self._manager = manager_class()(
                 ops, self.adapter_config, enable_events=self.kv_events_config.enable_kv_cache_events,
                 info=info.as_config_info())
         return self._manager
@@ -130,7 +133,7 @@ class HiSparseOffloadingSpec(OffloadingSpec):
                 raise InvalidArgument(f"HiSparseOffloadingSpec has no copy engine for {device}")
             ops = self._ops("worker")
             try:
-                self._worker = HiSparseOffloadingWorker(ops, plan, engine, cuda_device=cuda_device)
+                self._worker = worker_class()(ops, plan, engine, cuda_device=cuda_device, kv_caches=kv_caches)
             except BaseException:
                 ops.client.close()
                 engine.shutdown()

@@ -12,13 +12,21 @@ manager's lock. Each round (every ``interval_s``, or at once when woken):
 5. queued jobs run in order: commits of finished stores (then published
    under the lock), aborts, unpins.
 
-``up`` is False from the first request the daemon did not answer at all
-(from this thread or the scheduler's) until a round succeeds again: a
-request that is only slow (``Timeout``, or the scheduler's short deadline
-passing while the daemon answers other requests) leaves it up, and the next
-round, with its full timeout, tells slow from gone. While it is False
-the manager answers MISS and skips stores without asking anyone. A failed
-job stays queued for the next round. A job whose session is gone is dropped:
+The scheduler's thread pays for a stalled daemon once. ``up`` is False
+from the first request of the scheduler's that got no answer within its
+``deadline_s`` (``missed``), the first request of this thread's that got
+none at all, or while a round has waited ``STALL_S`` on a daemon silent as
+long (SIGSTOP, swap: the connection stays up and nothing answers), until a
+round succeeds again: the rounds are the probe that says when. While it is
+False the manager answers MISS and skips stores without asking anyone, so a
+stall of any length costs the scheduler at most one ``deadline_s`` in all.
+A daemon that answers, only slower than ``deadline_s``, would cost one on
+every step: after each miss the scheduler's own requests also wait out a
+pause (``PAUSE_FIRST_S``, doubling per miss up to ``PAUSE_MAX_S``; back to
+the first once its requests were answered in time as long as the last
+pause), so it costs at most one ``deadline_s`` per pause: after 0.1 s,
+0.2 s ... 3.2 s, one per 5 s (0.4% of the scheduler's time). A failed job
+stays queued for the next round. A job whose session is gone is dropped:
 the daemon released it with the session.
 """
 
@@ -40,6 +48,9 @@ from hisparse.vllm.rpc import NamespaceOps, Session
 log = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 0.001
+STALL_S = 0.1  # a round unanswered this long, with the daemon silent as long: it is away
+PAUSE_FIRST_S = 0.1  # after a scheduler request missed its deadline, its next one waits this long
+PAUSE_MAX_S = 5.0  # ... doubling per miss up to this: a slow daemon costs a deadline per pause
 
 
 @dataclass
@@ -59,7 +70,7 @@ class Syncer:
                  interval_s: float, hold_s: float,
                  on_changes: Callable[[list[Change]], None],
                  on_published: Callable[[list[bytes], Any], None],
-                 on_lost: Callable[[list[bytes]], None], silence_s: float = 1.0,
+                 on_lost: Callable[[list[bytes]], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._ops = ops
         self._mirror = mirror
@@ -70,12 +81,16 @@ class Syncer:
         self._on_changes = on_changes
         self._on_published = on_published
         self._on_lost = on_lost
-        self._silence_s = silence_s  # a daemon heard from within this is slow, not gone
         self._clock = clock
         self._jobs: deque[Job] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self.up = True
+        self._away = False  # a request got no answer; a round that succeeds clears it
+        self._round_started_s: float | None = None  # time.monotonic(), as the transport's
+        self._stall_logged_s: float | None = None  # the round start whose stall was logged
+        self._pause_s = 0.0  # the scheduler's last pause after a missed deadline; 0: none lately
+        self._paused_until_s = 0.0  # the scheduler's next request waits for this (clock)
+        self.deadline_misses = 0  # all of them: what a stalled daemon cost the scheduler, in calls
         self.rounds = 0
         self._session_seen: Session | None = None
         self._thread: threading.Thread | None = None
@@ -102,21 +117,52 @@ class Syncer:
     def wake(self) -> None:
         self._wake.set()
 
+    @property
+    def up(self) -> bool:
+        """Whether the daemon answers: False from an unanswered request until a round succeeds."""
+        return not self._away and not self._round_stalled()
+
+    @property
+    def may_call(self) -> bool:
+        """Whether the scheduler's thread may send its own request (``reserve``) now."""
+        return self.up and self._clock() >= self._paused_until_s
+
     def unreachable(self, what: str, exc: HisparseError) -> None:
         """A request got no answer: offloading pauses until a round succeeds."""
-        if self.up:
+        if not self._away:
             log.warning("hisparsed %s failed (%s); offloading pauses until it answers again", what, exc)
-        self.up = False
+        self._away = True
         self._wake.set()
 
-    def unanswered(self, what: str, exc: HisparseError) -> None:
-        """A request's deadline passed: unreachable only if the daemon answers nothing at all."""
-        transport = self._ops.client.transport
-        if isinstance(exc, Timeout) or (transport.connected and transport.silent_s() < self._silence_s):
-            log.debug("hisparsed %s was slow (%s); it answers, offloading goes on", what, exc)
-            self._wake.set()  # the next round (its full timeout) tells slow from gone
-            return
+    def missed(self, what: str, exc: HisparseError) -> None:
+        """A request of the scheduler's thread got no answer within its deadline: whether the
+        daemon is slow or gone, the steps that follow must not pay the deadline again. Away
+        until a round succeeds, and the scheduler's next request waits out a pause, twice the
+        last one if that was recent (``answered``)."""
+        self.deadline_misses += 1
+        self._pause_s = min(self._pause_s * 2, PAUSE_MAX_S) if self._pause_s else PAUSE_FIRST_S
+        self._paused_until_s = self._clock() + self._pause_s
         self.unreachable(what, exc)
+
+    def answered(self) -> None:
+        """A request of the scheduler's thread was answered in time. Once they have been for
+        as long again as the last pause, the next miss pauses briefly again: a daemon that
+        answers only now and then keeps doubling its pause."""
+        if self._pause_s and self._clock() - self._paused_until_s >= self._pause_s:
+            self._pause_s = 0.0
+
+    def _round_stalled(self) -> bool:
+        """A round has waited ``STALL_S`` and the daemon said nothing as long (any thread)."""
+        started = self._round_started_s
+        if started is None or time.monotonic() - started < STALL_S:
+            return False
+        if self._ops.client.transport.silent_s() < STALL_S:
+            return False  # it answers (other requests, the transport's pings): slow, not stalled
+        if self._stall_logged_s != started:
+            self._stall_logged_s = started
+            log.warning("hisparsed has not answered for %.0f ms; offloading pauses until it answers "
+                        "again", STALL_S * 1e3)
+        return True
 
     @property
     def pending_jobs(self) -> int:
@@ -157,6 +203,21 @@ class Syncer:
 
     def round(self) -> None:
         """One round (see the module docstring). Raises ``HisparseError`` when the daemon is away."""
+        started = self._round_started_s = time.monotonic()
+        try:
+            self._round()
+        except HisparseError:
+            if self._stall_logged_s == started:
+                self._away = True  # its stall was logged: away already, said once
+            raise
+        finally:
+            self._round_started_s = None
+        if self._away or self._stall_logged_s == started:
+            log.info("hisparsed answers again; offloading resumes")
+        self._away = False
+        self.rounds += 1
+
+    def _round(self) -> None:
         update = self._mirror.fetch()
         with self._lock:
             changes = self._mirror.apply(update)
@@ -174,10 +235,6 @@ class Syncer:
             expired = self._holds.expired(self._hold_s)
         self.release(expired)
         self._run_jobs()
-        if not self.up:
-            log.info("hisparsed answers again; offloading resumes")
-        self.up = True
-        self.rounds += 1
 
     def _pin(self, wanted: dict[bytes, set[str]]) -> None:
         keys = list(wanted)

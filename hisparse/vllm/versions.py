@@ -18,12 +18,17 @@ class UnsupportedVllmVersion(RuntimeError):
     """The installed vLLM is not one the HiSparse host-pool path was tested with."""
 
 
+def installed_vllm_version() -> str:
+    """``vllm.__version__`` (raises ``ImportError`` without vLLM)."""
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
 def check_vllm_version(version: str | None = None) -> str:
     """Return the installed vLLM version, or raise ``UnsupportedVllmVersion`` naming the tested ones."""
     if version is None:
-        import vllm
-
-        version = str(getattr(vllm, "__version__", "unknown"))
+        version = installed_vllm_version()
     if version.split("+")[0] not in TESTED_VLLM_VERSIONS:
         raise UnsupportedVllmVersion(
             f"hisparse's HiSparseConnector (hisparse.vllm.hisparse_connector) supports vLLM "

@@ -34,14 +34,13 @@ import numpy as np
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
-    DevicePointers,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
 )
-from vllm.v1.kv_offload.pointer_utils import iter_pointer_groups
 
 from hisparse.errors import InvalidArgument
+from hisparse.vllm.compat import DevicePointers, iter_pointer_groups
 from hisparse.layout import KVLayout
 from hisparse.vllm.rpc import NamespaceOps
 from hisparse.vllm.transfer import CopyEngine
@@ -158,8 +157,9 @@ class HiSparseOffloadingWorker(OffloadingWorker):
     """Moves blocks between vLLM's KV caches and the namespace's region; never blocks on submit."""
 
     def __init__(self, ops: NamespaceOps, plan: PagePlan, engine: CopyEngine,
-                 cuda_device: int | None = None) -> None:
+                 cuda_device: int | None = None, kv_caches: CanonicalKVCaches | None = None) -> None:
         self._ops = ops
+        self.kv_caches = kv_caches  # what block ids address, on releases that pass them (compat)
         self._plan = plan
         self._engine = engine
         self._cuda_device = cuda_device  # register the region with this GPU before copying

@@ -23,7 +23,6 @@ from hisparse.client.backends import cpu
 from hisparse.errors import DaemonUnavailable
 from hisparse.protocol import ErrorCode, Op
 from tests.client.engine import bad_pages, chain, pages_for
-from tests.conftest import QUOTAS_OFF
 from tests.rawclient import RawClient
 from tests.waiting import wait_for
 
@@ -75,7 +74,7 @@ def gated_scatter(monkeypatch):
 
 def test_a_lost_reserve_reply_never_aborts_another_threads_reservation(daemon_factory, gated_scatter):
     gate, entered = gated_scatter
-    d = daemon_factory(lease_ttl=30, extra=QUOTAS_OFF)  # one uid fills the region
+    d = daemon_factory(lease_ttl=30)  # one uid fills the region
     keys = chain("t1", 4)
     with client.attach(NS, LAYOUT, socket=d.socket, capacity=LAYOUT.page_bytes * 8,
                        timeout_s=TIMEOUT_S) as c:
@@ -111,7 +110,7 @@ def _store(c: client.Client, keys: list[bytes]) -> int:
 
 
 def test_abort_by_tag_frees_only_what_that_tag_reserved(daemon_factory):
-    c = RawClient(daemon_factory(extra=QUOTAS_OFF).socket)  # one session takes 4 of 8 pages
+    c = RawClient(daemon_factory().socket)  # one session takes 4 of 8 pages
     try:
         c.hello(NS, LAYOUT, LAYOUT.page_bytes * 8)
         mine, theirs = chain("mine", 2), chain("theirs", 2)
@@ -133,7 +132,7 @@ def test_abort_by_tag_frees_only_what_that_tag_reserved(daemon_factory):
 def test_a_pin_whose_reply_was_lost_is_released_without_the_session_ending(daemon_factory, path):
     from hisparse.vllm.rpc import NamespaceOps  # the pin path of the vLLM syncer and host pool
 
-    d = daemon_factory(lease_ttl=30, extra=QUOTAS_OFF)  # one uid fills the region
+    d = daemon_factory(lease_ttl=30)  # one uid fills the region
     keys = chain("p", 4)
     with client.attach(NS, LAYOUT, socket=d.socket, capacity=LAYOUT.page_bytes * 8,
                        timeout_s=TIMEOUT_S) as c:
@@ -196,7 +195,7 @@ def test_a_release_not_answered_in_time_is_sent_again_not_dropped(daemon_factory
     # dropping it left the call's pins held until the session ended.
     from hisparse.client.transport import MAX_IN_FLIGHT
 
-    d = daemon_factory(lease_ttl=30, extra=QUOTAS_OFF)
+    d = daemon_factory(lease_ttl=30)
     keys = chain("r", 4)
     with client.attach(NS, LAYOUT, socket=d.socket, capacity=LAYOUT.page_bytes * 8,
                        timeout_s=TIMEOUT_S) as c:

@@ -12,7 +12,6 @@ import hisparse
 from hisparse import client
 from hisparse.client import regions
 from hisparse.protocol import MAX_KEYS_PER_REQUEST
-from tests.conftest import QUOTAS_OFF
 from tests.client.engine import chain, page_for, pages_for
 
 LAYOUT = hisparse.KVLayout(num_layers=4, block_tokens=16, row_bytes=64)  # 4 KiB pages
@@ -110,7 +109,7 @@ def test_load_fills_only_the_committed_prefix(c):
 
 
 def test_full_region_stores_what_fits_in_key_order(daemon_factory):
-    d = daemon_factory(capacity="64MiB", lease_ttl=2, extra=QUOTAS_OFF)
+    d = daemon_factory(capacity="64MiB", lease_ttl=2)
     with client.attach("small", LAYOUT, socket=d.socket, capacity=8 * LAYOUT.page_bytes) as cl:
         assert cl.num_pages == 8
         held = chain("held", 5)
@@ -145,7 +144,7 @@ def test_pins_hold_views_and_count(c):
 
 
 def test_many_keys_are_split_across_requests(daemon_factory):
-    d = daemon_factory(capacity="64MiB", lease_ttl=5, extra=("--min-page-bytes", "8", *QUOTAS_OFF))
+    d = daemon_factory(capacity="64MiB", lease_ttl=5, extra=("--min-page-bytes", "8"))
     tiny = hisparse.KVLayout(1, 1, 8)  # below the default min_page_bytes: many keys, little memory
     n = MAX_KEYS_PER_REQUEST + 1000
     keys = [i.to_bytes(8, "little") for i in range(n)]

@@ -25,7 +25,6 @@ import pytest
 import hisparse
 from hisparse import client
 from hisparse.protocol import ErrorCode, Op
-from tests.conftest import QUOTAS_OFF
 from tests.client.engine import REPO, bad_pages, chain, page_for, pages_for
 from tests.rawclient import RawClient
 from tests.waiting import wait_for
@@ -134,7 +133,7 @@ def victim_store_and_check(socket: str, seed: str, n: int) -> tuple[int, list[in
 
 @pytest.mark.parametrize("how", ["lease", "restart"])
 def test_a_writer_stalled_mid_copy_never_overwrites_anothers_pages(daemon_factory, actors, how):
-    d = daemon_factory(lease_ttl=2.0, extra=QUOTAS_OFF)
+    d = daemon_factory(lease_ttl=2.0)
     writer = actors(d.socket, "stall-writer", seed="w", count=4)
     writer.until("stalled-mid-copy")
     writer.wait_stopped()
@@ -165,7 +164,7 @@ def test_a_writer_stalled_mid_copy_never_overwrites_anothers_pages(daemon_factor
 # -- 2. a stalled reader learns its pin is gone; nobody rewrote what it pinned meanwhile --
 
 def test_a_reader_stalled_past_its_lease_sees_no_foreign_bytes(daemon_factory, actors):
-    d = daemon_factory(lease_ttl=2.0, extra=QUOTAS_OFF)
+    d = daemon_factory(lease_ttl=2.0)
     keys = chain("r", 4)
     with client.attach(NS, LAYOUT, socket=d.socket, capacity=LAYOUT.page_bytes * 8) as c:
         assert c.store(keys, pages_for(keys, LAYOUT.page_bytes)) == 4
@@ -232,7 +231,7 @@ def _resolve_all(session, kv, req) -> int:
 
 
 def test_the_sparse_session_repins_after_a_daemon_restart(daemon_factory):
-    d = daemon_factory(lease_ttl=5, extra=QUOTAS_OFF)  # "another engine" is this uid too
+    d = daemon_factory(lease_ttl=5)  # "another engine" is this uid too
     c, kv, session, req = _sparse_engine(d.socket)
     try:
         old_pages = list(req.host_pages)
@@ -446,7 +445,7 @@ def test_planted_fence_files_fence_nothing(daemon_factory):
 
     from hisparse.shm.fence import FenceFile, fence_dir_for
 
-    d = daemon_factory(lease_ttl=5, extra=QUOTAS_OFF)
+    d = daemon_factory(lease_ttl=5)
     raw = RawClient(d.socket)
     try:
         region = raw.hello(NS, LAYOUT, LAYOUT.page_bytes * 8)["region"]

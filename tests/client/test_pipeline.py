@@ -29,7 +29,6 @@ from hisparse.daemon.front.timers import REAP_INTERVAL_S
 from hisparse.protocol import Op
 from tests.client.engine import bad_pages, chain, pages_for
 from tests.client.test_call_tags import ns_stats
-from tests.conftest import QUOTAS_OFF
 from tests.waiting import wait_for
 
 LAYOUT = hisparse.KVLayout(num_layers=2, block_tokens=4, row_bytes=16)  # 128-byte pages
@@ -144,7 +143,7 @@ def test_a_large_store_and_load_go_in_pieces_with_exact_bytes(hisparsed, piecewi
 
 
 def test_a_store_that_runs_out_of_room_keeps_the_same_prefix_as_whole(daemon_factory, piecewise):
-    d = daemon_factory(extra=QUOTAS_OFF)
+    d = daemon_factory()
     keys = chain("room", 16)
     with attach(d.socket, pages=10) as c:
         result = c.store(keys, pages_for(keys, PB))
@@ -324,7 +323,7 @@ def test_a_writer_stalled_past_its_lease_mid_copy_never_lands_in_anothers_pages(
     # runs, another writer gets only free pages, the store finishes on the new session, and no
     # page holds another's bytes
     backend, _ = piecewise
-    d = daemon_factory(lease_ttl=1.0, extra=QUOTAS_OFF)
+    d = daemon_factory(lease_ttl=1.0)
     a_keys, b_keys = chain("stalled-a", 16), chain("stalled-b", 32)
     a_pages = pages_for(a_keys, PB)
     monkeypatch.setattr(backends, "for_tensor", lambda t: backend if t is a_pages else cpu.BACKEND)

@@ -11,7 +11,6 @@ import hisparse
 from hisparse import client
 from hisparse.client import StoreResult
 from tests.client.engine import chain
-from tests.conftest import QUOTAS_OFF
 
 LAYOUT = hisparse.KVLayout(num_layers=4, block_tokens=16, row_bytes=64)  # 4 KiB pages
 
@@ -21,7 +20,7 @@ def pages(n: int, seed: int = 0) -> np.ndarray:
 
 
 def test_a_store_into_a_full_region_counts_what_it_left_out_and_warns_once(daemon_factory, caplog):
-    d = daemon_factory(extra=QUOTAS_OFF)  # room, not quota, is what this store runs out of
+    d = daemon_factory()  # room, not quota, is what this store runs out of
     with client.attach("results/small", LAYOUT, socket=d.socket,
                        capacity=8 * LAYOUT.page_bytes) as c, caplog.at_level(logging.WARNING):
         first = chain("first", 3)

@@ -17,7 +17,6 @@ import torch
 
 import hisparse
 from hisparse import client
-from tests.conftest import QUOTAS_OFF
 from tests.client.engine import chain, finish, page_for, pages_for, spawn
 
 SMALL = hisparse.KVLayout(num_layers=4, block_tokens=16, row_bytes=64)  # 4 KiB pages
@@ -57,7 +56,7 @@ def test_eight_ranks_store_one_chain_at_once(hisparsed, tmp_path):
 
 
 def test_writer_killed_mid_store_leaves_only_exact_pages(daemon_factory):
-    d = daemon_factory(capacity="512MiB", lease_ttl=1.5, extra=QUOTAS_OFF)
+    d = daemon_factory(capacity="512MiB", lease_ttl=1.5)
     n, chunk = 400, 25
     keys = chain("big", n)
     writer = spawn(d.socket, "store-chunks", "crash", MEDIUM, seed="big", count=n, chunk=chunk,
@@ -88,7 +87,7 @@ def test_writer_killed_mid_store_leaves_only_exact_pages(daemon_factory):
 
 
 def test_eviction_never_touches_a_pinned_page(daemon_factory, tmp_path):
-    d = daemon_factory(capacity="64MiB", lease_ttl=2, extra=QUOTAS_OFF)  # the churners are this uid
+    d = daemon_factory(capacity="64MiB", lease_ttl=2)  # the churners are this uid
     with client.attach("churn", SMALL, socket=d.socket, capacity=40 * SMALL.page_bytes) as cl:
         keys = chain("pinned", 8)
         expected = pages_for(keys, SMALL.page_bytes)

@@ -23,13 +23,7 @@ import pytest
 from hisparse.cluster import mooncake
 from hisparse.ctl import Control
 from hisparse.protocol import Op
-from tests.conftest import quotas_lifted
 
-
-@pytest.fixture
-def daemon_factory(daemon_factory):
-    """Quotas lifted: one engine of one uid fills a small region (quotas: tests/daemon/test_tenants.py)."""
-    return quotas_lifted(daemon_factory)
 
 try:
     mooncake.load()

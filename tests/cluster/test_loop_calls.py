@@ -21,7 +21,7 @@ import time
 import pytest
 
 from hisparse.cluster import format as fmt
-from hisparse.daemon.cluster import tier as cluster_mod
+from hisparse.daemon.cluster import state as cluster_state
 from hisparse.shm.region import RegionMap
 from hisparse.shm.table import WRITING
 from tests.cluster.conftest import requires_mooncake
@@ -43,7 +43,7 @@ async def until(cond, what: str, timeout_s: float = 30.0) -> None:
 def tier_on(master, tmp_path, monkeypatch):
     """A namespace of an in-process registry and a cluster tier on the master; the worker's
     patience with the loop shortened to 0.3 s."""
-    monkeypatch.setattr(cluster_mod, "LOOP_CALL_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(cluster_state, "LOOP_CALL_TIMEOUT_S", 0.3)
     with registry_and_tier(master, tmp_path, 64, segment_size_bytes=32 << 20, timeout_s=5.0) as (_, ns, tier):
         yield ns, tier
 

@@ -44,6 +44,9 @@ def test_one_session_can_neither_hoard_reservations_nor_pin_everything(daemon_fa
     d = daemon_factory(extra=("--session-reserve-share", "0.25", "--session-pin-share", "0.5",
                               "--peer-reserve-share", "1", "--peer-pin-share", "1"))
     hog, victim = raw(d), raw(d)  # 8 pages: 2 reservations, 4 pins a session
+    # the victim asks for more than the region holds: short, it contends, and the session shares bind
+    assert len(victim.call(Op.RESERVE, keys=keys_for("v0", 9))["slots"]) == 8
+    victim.call(Op.ABORT, keys=keys_for("v0", 8))
     k = keys_for("hog", 8)
     # a reserve beyond the share is cut short; one with the share used up is refused, typed
     assert len(hog.call(Op.RESERVE, keys=k[:4])["slots"]) == 2

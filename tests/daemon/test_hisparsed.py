@@ -139,8 +139,8 @@ def test_capacity_is_shared_and_enforced(daemon_factory, clients):
 
 
 def test_store_writes_what_fits_and_never_evicts_pinned_or_writing(daemon_factory, clients):
-    # one session filling its whole region: quotas lifted (test_governance tests them)
-    c = clients(daemon_factory(extra=("--session-reserve-share", "1", "--session-pin-share", "1")), capacity_bytes=192 * 4)
+    # one session filling its whole region: the defaults let a lone session (test_shares.py)
+    c = clients(daemon_factory(), capacity_bytes=192 * 4)
     a = keys_for("a", 4)
     c.store(a[:2], [page_bytes("a", i) for i in range(2)])
     c.call(Op.PIN, keys=a[:1])

@@ -17,7 +17,6 @@ import zmq
 
 from hisparse import KVLayout, protocol
 from hisparse.protocol import Op
-from tests.conftest import QUOTAS_OFF
 from tests.rawclient import RawClient, keys_for
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -179,7 +178,7 @@ def test_a_frame_just_over_the_limit_is_dropped_unread_and_the_daemon_serves_on(
 def test_replies_are_not_kept_for_a_peer_that_stops_reading_or_leaves(daemon_factory):
     from hisparse.daemon.front.outbox import MAX_BACKLOG_BYTES
 
-    d = daemon_factory(extra=QUOTAS_OFF)
+    d = daemon_factory()
     layout = KVLayout(1, 1, 64)
     c = RawClient(d.socket, timeout_s=30)
     try:

@@ -48,8 +48,8 @@ def free_port() -> int:
 
 
 def test_counters_match_the_workload(daemon_factory, tmp_path):
-    # one client storing 40 pages of a 64-page region at once: quotas lifted (test_governance's)
-    d = daemon_factory(capacity="64MiB", lease_ttl=5, extra=("--session-reserve-share", "1", "--session-pin-share", "1"))
+    # one client storing 40 pages of a 64-page region at once: the defaults let a lone client
+    d = daemon_factory(capacity="64MiB", lease_ttl=5)
     address = os.path.join(os.path.dirname(d.socket), "hisparsed.metrics.sock")  # the default
     with client.attach(NS, LAYOUT, socket=d.socket, capacity=64 * LAYOUT.page_bytes, timeout_s=5) as c:
         keys = chain("w", 40)

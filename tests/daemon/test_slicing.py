@@ -16,6 +16,7 @@ from hisparse import KVLayout, protocol
 from hisparse.daemon.conf import config
 from hisparse.daemon.ops.handlers import DaemonContext
 from hisparse.daemon.store.namespaces import Registry
+from hisparse.daemon.policy.peers import Peer
 from hisparse.daemon.store.sessions import SessionTable
 from hisparse.daemon.front.dispatch import dispatch, resume
 from hisparse.daemon.ops.slicing import SLICE_KEYS, Sliced
@@ -200,6 +201,8 @@ def test_quotas_are_checked_again_at_each_slice(context):
     limit = ns.geometry.num_pages // 2
     first = hello["session"]
     other = context.hello(ctx)["session"]
+    tenant = ctx.sessions.sessions[context.hello(ctx)["session"]]
+    tenant.owner = Peer(4302, 4302, 1)  # another uid attached: the shares bind
     sliced = begin(ctx, Op.RESERVE, session=first, keys=keys_for("first", N))
     taken = len(call(ctx, Op.RESERVE, session=other, keys=keys_for("other", limit - SLICE_KEYS - 10))["slots"])
     body = sliced.finish()

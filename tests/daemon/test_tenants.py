@@ -87,10 +87,14 @@ def test_one_uid_holds_its_share_however_many_sessions_or_processes(tenant_daemo
 
 
 def test_a_store_cut_by_quota_says_so(daemon_factory):
-    d = daemon_factory()  # defaults: a session reserves at most half the region at once
-    one = RawClient(d.socket)
+    d = daemon_factory()  # defaults: a session reserves at most half the region while another is short
+    one, other = RawClient(d.socket), RawClient(d.socket)
     try:
         one.hello("ns", LAYOUT, 192 * PAGES)
+        other.hello("ns", LAYOUT, 192 * PAGES)
+        # the other session asks for more than the region: short (by room), it contends; the shares bind
+        assert len(other.call(Op.RESERVE, keys=keys_for("other", PAGES + 1))["slots"]) == PAGES
+        other.call(Op.ABORT, keys=keys_for("other", PAGES))
         body = one.call(Op.RESERVE, keys=keys_for("big", 12))
         assert len(body["slots"]) == 8
         assert body["shortfall"]["by"] == "quota" and body["shortfall"]["limit"] == "session_reserve_share"
@@ -100,6 +104,18 @@ def test_a_store_cut_by_quota_says_so(daemon_factory):
         assert one.call(Op.RESERVE, keys=keys_for("small", 2))["shortfall"] is None
     finally:
         one.close()
+        other.close()
+
+
+_KEPT: list[RawClient] = []  # a child's clients, alive until it exits
+
+
+def _attach(socket: str) -> bool:
+    """Another tenant attached to the namespace, asking for nothing (yet)."""
+    c = RawClient(socket)
+    c.hello("ns", LAYOUT, 192 * PAGES)
+    _KEPT.append(c)
+    return True
 
 
 def _pin_share(socket: str, tag: str, count: int) -> int:
@@ -161,6 +177,19 @@ def test_namespaces_named_in_the_config_keep_their_slots_and_capacity(daemon_fac
 
 
 @needs_root
+def test_a_lone_uid_may_take_every_unnamed_slot_but_not_half_once_another_uid_made_one(tenant_daemon):
+    # 12 slots, the shipped peer_max_namespaces (32): a lone tenant is not held back by it
+    d = tenant_daemon("--max-namespaces", "12")
+    assert _create(d.socket, [f"mine-{i}" for i in range(12)]) == ["ok"] * 12  # root, alone
+    e = tenant_daemon("--max-namespaces", "12")
+    assert as_user(OTHER_UID, lambda: _create(e.socket, ["theirs"]))["ok"] == ["ok"]
+    got = as_user(ATTACKER_UID, lambda: _create(e.socket, [f"squat-{i}" for i in range(8)]))["ok"]
+    assert got[:6] == ["ok"] * 6, got  # half of the 12 slots, once another uid has one
+    assert got[6].startswith("QUOTA_EXCEEDED") and "peer_max_namespaces" in got[6], got
+    assert as_user(OTHER_UID, lambda: _create(e.socket, ["theirs-2"]))["ok"] == ["ok"]
+
+
+@needs_root
 def test_namespace_creation_is_limited_per_uid_and_stats_name_the_creator(tenant_daemon):
     d = tenant_daemon("--peer-max-namespaces", "2")
     got = as_user(ATTACKER_UID, lambda: _create(d.socket, ["a-0", "a-1", "a-2"]))["ok"]
@@ -215,19 +244,22 @@ def test_metrics_show_a_restricted_namespace_only_to_whom_stats_would(daemon_fac
         c.close()
 
 
-def test_a_page_pinned_by_two_sessions_of_one_uid_counts_once(daemon_factory):
+@needs_root
+def test_a_page_pinned_by_two_sessions_of_one_uid_counts_once(tenant_daemon):
     # a scheduler and its worker (or two replicas) pin the same prefix: it is held once
-    d = daemon_factory()  # defaults: one uid pins at most half the region
+    d = tenant_daemon()  # defaults: one uid pins at most half the region while another is attached
     a, b = RawClient(d.socket), RawClient(d.socket)
     try:
         a.hello("ns", LAYOUT, 192 * PAGES)
         b.hello("ns", LAYOUT, 192 * PAGES)
-        keys = keys_for("shared", PAGES // 2)
-        assert a.store(keys, [_page("s", i) for i in range(PAGES // 2)]) == PAGES // 2
-        assert a.call(Op.PIN, keys=keys)["count"] == PAGES // 2
-        assert b.call(Op.PIN, keys=keys)["count"] == PAGES // 2, "the same 8 pages: still the uid's 8"
-        more = keys_for("more", 1)
-        assert b.request(Op.RESERVE, keys=more).error_code == "QUOTA_EXCEEDED", "8 held: the uid's half"
+        with holding_as_user(OTHER_UID, lambda: _attach(d.socket)) as other:
+            assert other == {"ok": True}, other
+            keys = keys_for("shared", PAGES // 2)
+            assert a.store(keys, [_page("s", i) for i in range(PAGES // 2)]) == PAGES // 2
+            assert a.call(Op.PIN, keys=keys)["count"] == PAGES // 2
+            assert b.call(Op.PIN, keys=keys)["count"] == PAGES // 2, "the same 8 pages: still the uid's 8"
+            more = keys_for("more", 1)
+            assert b.request(Op.RESERVE, keys=more).error_code == "QUOTA_EXCEEDED", "8 held: the uid's half"
     finally:
         a.close()
         b.close()

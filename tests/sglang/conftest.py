@@ -16,20 +16,12 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from tests.conftest import quotas_lifted  # noqa: E402
 from tests.sglang import cpu_stubs  # noqa: E402
 
 cpu_stubs.install_imports()  # before any test module imports SGLang's cache stack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE_EXTRA = {"capacity": "16MiB", "timeout_s": 2.0, "down_s": 0.3}
-
-
-@pytest.fixture
-def daemon_factory(daemon_factory):
-    """Quotas lifted: these engines are one uid, and one engine may fill its small region
-    (quotas: tests/daemon/test_tenants.py)."""
-    return quotas_lifted(daemon_factory)
 
 
 @pytest.fixture

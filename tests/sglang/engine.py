@@ -234,9 +234,21 @@ class LinkerEngine:
 
     def put(self, tokens: list[int], seed: int, timeout_s: float = 20.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute (seeded bytes) and insert ``tokens``; the write-through offload lands; (KV, indexer) bytes."""
+        value = self.insert(tokens, seed)
+        wrapper = self.cache.linker
+        deadline = time.monotonic() + timeout_s
+        while wrapper.pending_offloads:
+            assert time.monotonic() < deadline, "linker offload did not complete"
+            self.cache.check_hicache_events()
+            time.sleep(0.01)
+        return self._rows(value), self._index_rows(value)
+
+    def insert(self, tokens: list[int], seed: int) -> torch.Tensor:
+        """Compute (seeded bytes) and insert ``tokens``, queueing their offload; their device slots."""
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
         value = self.allocator.alloc(len(tokens))
+        assert value is not None, "the device pool is full"
         gen = torch.Generator().manual_seed(seed)
         for layer in range(self.kv_pool.layer_num):
             buf = self.kv_pool.kv_buffer[layer]
@@ -247,36 +259,51 @@ class LinkerEngine:
             pages = value[::self.page_size].long() // self.page_size
             index[pages] = torch.randint(0, 256, (len(pages), index.shape[1]), dtype=torch.uint8, generator=gen)
         self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=value))
+        self.offload(tokens)
+        return value
+
+    def offload(self, tokens: list[int]) -> None:
+        """Write ``tokens``' node through (the insert's own write-through, else ``offload_nodes``)."""
         wrapper = self.cache.linker
         if not wrapper.pending_offloads:  # not written through by the insert itself: offload its node
             leaf = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)))).last_device_node
             wrapper.offload_nodes([leaf])
-        deadline = time.monotonic() + timeout_s
-        while wrapper.pending_offloads:
-            assert time.monotonic() < deadline, "linker offload did not complete"
-            self.cache.check_hicache_events()
-            time.sleep(0.01)
-        return self._rows(value), self._index_rows(value)
 
     def get(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """Match and load ``tokens`` as the scheduler would: (KV bytes, indexer bytes, failed rids)."""
+        req = self.match(tokens)
+        if req is None:
+            empty = torch.empty(0, dtype=torch.int64)
+            return self._rows(empty), self._index_rows(empty), []
+        (kv, indexer), failed = self.load([req])
+        return kv[0], indexer[0], failed
+
+    def match(self, tokens: list[int]) -> Any:
+        """A new request's ``match_prefix`` (the linker's lookup): the request, or None on no hit."""
         req = self.kit._make_req(self.req_to_token_pool)
         self._rid += 1
         req.rid = f"linker-req-{self._rid}"
         self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=req))
+        if self.cache.linker.has_hit(req.rid):
+            return req
+        self.req_to_token_pool.free(req)  # a miss: the request would compute; its row is not needed here
+        return None
+
+    def load(self, reqs: list[Any]) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], list[str]]:
+        """One batch: load the requests' hits, consume the layers as a forward would, finish:
+        ((KV bytes per request, indexer bytes per request), failed rids)."""
         wrapper = self.cache.linker
-        if not wrapper.has_hit(req.rid):
-            empty = torch.empty(0, dtype=torch.int64)
-            return self._rows(empty), self._index_rows(empty), []
-        loaded, _ = wrapper.load_back(req)
-        indices = wrapper.private_load_indices[req.rid]
+        rows = []
+        for req in reqs:
+            loaded, _ = wrapper.load_back(req)
+            rows.append(wrapper.private_load_indices[req.rid][:loaded])
         index = self.cache.ready_to_load_host_cache()
         counter = wrapper.layer_done_counter
         counter.set_consumer(index)
         for layer in range(self.kv_pool.layer_num):  # the forward waits on each layer
             counter.wait_until(layer)
         failed = wrapper.finish_loads()
-        return self._rows(indices[:loaded]), self._index_rows(indices[:loaded]), failed
+        return ([self._rows(r) for r in rows], [self._index_rows(r) for r in rows]), failed
 
     def close(self) -> None:
         self.linker.close()

@@ -101,7 +101,11 @@ def test_eviction_between_exists_and_get_cannot_take_a_pinned_hit(sglang_engines
         assert store.batch_get_v1(keys, dst) == [True] * 4
         assert torch.equal(read_back(engine, dst, 4), pages)
 
-        # unpinned (the hold ran out), the same flood evicts them: a short read, never wrong bytes
+        # unpinned (read; the unpin goes in the background, never waited for on SGLang's IO
+        # thread), the same flood evicts them: a short read, never wrong bytes
+        from tests.waiting import wait_for
+
+        wait_for(lambda: other.stats()["namespaces"]["test/evict/kv"]["pinned_pages"] == 0, "the unpins")
         assert other.store([bytes.fromhex(k) for k in page_keys("flood2", region_pages)],
                            torch.zeros((region_pages, tier.geometry.page_bytes), dtype=torch.uint8)) > 0
     dst3, before = host_pages(engine, 4, seed=6)
@@ -213,3 +217,34 @@ def test_interface_v1_and_known_keys_are_required():
         HisparseStore(storage_config(extra_config={}))
     with pytest.raises(InvalidArgument, match="unknown extra-config keys.*'capacty'"):
         HisparseStore(storage_config(extra_config={"interface_v1": 1, "capacty": "1GiB"}))
+
+
+def test_a_set_that_a_clear_voided_answers_false(sglang_engines, monkeypatch):
+    # A clear between the set's reserve and its commit: the daemon frees those pages at the
+    # commit (``cleared``). The set answered True for pages the namespace does not hold.
+    from hisparse.client.backends import cpu
+    from hisparse.protocol import Op
+    from tests.rawclient import RawClient
+
+    engine = sglang_engines()
+    store, tier = engine.backend, engine.backend.tiers["kv"]
+    keys = page_keys("voided", 3)
+    src, _ = host_pages(engine, 3, seed=9)
+    daemon = sglang_engines.daemon
+    admin = RawClient(daemon.socket)
+    admin.hello()
+    real = cpu.CpuBackend.scatter
+
+    def scatter_after_a_clear(self, region, page_ids, pages, rows):
+        admin.call(Op.CLEAR, token=daemon.token, namespace=tier.namespace)
+        return real(self, region, page_ids, pages, rows)
+
+    try:
+        monkeypatch.setattr(cpu.CpuBackend, "scatter", scatter_after_a_clear)
+        assert store.batch_set_v1(keys, src) == [False] * 3
+        monkeypatch.setattr(cpu.CpuBackend, "scatter", real)
+        assert tier.counters["stored_pages"] == 0
+        assert store.batch_exists(keys) == 0
+        assert store.batch_set_v1(keys, src) == [True] * 3  # after the clear: stored
+    finally:
+        admin.close()

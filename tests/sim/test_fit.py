@@ -6,11 +6,11 @@ import re
 
 import pytest
 
-from hisparse.sim import plan
+from hisparse.sim import plan_cli
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = plan.main(list(argv))
+    rc = plan_cli.main(list(argv))
     out = capsys.readouterr()
     return rc, out.out, out.err
 

@@ -7,17 +7,16 @@ import json
 import pytest
 
 from hisparse import cli
-from hisparse.sim import plan
+from hisparse.sim import plan_cli
 
 
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
-    assert plan.main([*argv, "--json"]) == 0
+    assert plan_cli.main([*argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
 @pytest.fixture(scope="module")
 def published() -> dict:
-    from hisparse.sim import plan_cli
     from hisparse.sim.presets import SCENARIOS
 
     return plan_cli.run_published(SCENARIOS["glm53-8xh200"])
@@ -50,7 +49,6 @@ def test_cli_dispatch_prints_the_table_by_default(capsys):
 
 def test_plot_is_written(tmp_path, published):
     pytest.importorskip("matplotlib")
-    from hisparse.sim import plan_cli
 
     path = tmp_path / "plan.png"
     plan_cli.plot(published, str(path))
@@ -66,7 +64,7 @@ def test_overrides_reach_the_model(capsys):
 
 
 def test_bad_layout_is_an_error(capsys):
-    assert plan.main(["--tp", "4"]) == 2
+    assert plan_cli.main(["--tp", "4"]) == 2
     assert "tp*dp = 4*1 != 8 GPUs" in capsys.readouterr().err
 
 
@@ -96,16 +94,16 @@ def test_shared_pool_scenario(capsys):
 
 def test_plot_into_a_missing_directory_fails_before_the_simulation(capsys, tmp_path):
     missing = tmp_path / "no-such-dir" / "x.png"
-    assert plan.main(["--plot", str(missing)]) == 2
+    assert plan_cli.main(["--plot", str(missing)]) == 2
     out = capsys.readouterr()
     assert out.out == ""  # nothing simulated, nothing printed
     assert f"no directory {missing.parent}" in out.err and "mkdir -p" in out.err
-    assert plan.main(["--plot", str(tmp_path)]) == 2
+    assert plan_cli.main(["--plot", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
 
 
 def test_the_layer_count_names_the_mtp_layer(capsys):
-    rc = plan.main(["--concurrency", "1"])
+    rc = plan_cli.main(["--concurrency", "1"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "79 layers (78 + 1 MTP) x 656 B + 23 indexer layers (22 + 1 MTP) x 132 B" in out
@@ -113,7 +111,7 @@ def test_the_layer_count_names_the_mtp_layer(capsys):
 
 
 def test_long_context_host_needs_follow_what_runs(capsys):
-    assert plan.main(["--scenario", "glm5-1m"]) == 0
+    assert plan_cli.main(["--scenario", "glm5-1m"]) == 0
     blocks = capsys.readouterr().out.split("\nglm-5 ")
     tp8 = next(b for b in blocks if b.startswith("TP8:"))
     dp8 = next(b for b in blocks if b.startswith("DP8-attention:"))
@@ -123,7 +121,6 @@ def test_long_context_host_needs_follow_what_runs(capsys):
 
 
 def test_shared_pool_output_explains_move_and_restart(capsys):
-    from hisparse.sim import plan_cli
     from hisparse.sim.presets import SCENARIOS
 
     plan_cli.print_shared_pool(SCENARIOS["glm53-8xh200-shared-pool"], {"rows": []})  # the table's head

@@ -8,12 +8,12 @@ import json
 import pytest
 
 from hisparse import cli
-from hisparse.sim import plan
+from hisparse.sim import plan_cli
 from hisparse.sim.presets import GPUS, MODELS, KV_ROW_BYTES, GiB
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = plan.main(list(argv))
+    rc = plan_cli.main(list(argv))
     out = capsys.readouterr()
     return rc, out.out, out.err
 

@@ -47,14 +47,6 @@ from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers  # noqa: E4
 
 import hisparse.vllm.spec  # noqa: E402,F401  (registers the spec with vLLM's factory)
 from hisparse.vllm.spec import HiSparseOffloadingSpec  # noqa: E402
-from tests.conftest import quotas_lifted  # noqa: E402
-
-
-@pytest.fixture
-def daemon_factory(daemon_factory):
-    """Quotas lifted: these engines are one uid in small regions that one engine fills
-    (quotas: tests/daemon/test_tenants.py)."""
-    return quotas_lifted(daemon_factory)
 
 
 NUM_GPU_BLOCKS = 32

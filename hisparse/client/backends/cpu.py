@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hisparse.client.backends import check_page_ids, copy_itemsize, runs, torch_dtype
+from hisparse.client.backends.geometry import check_page_ids, copy_itemsize, runs, torch_dtype
 
 if TYPE_CHECKING:
     from hisparse.shm.region import RegionMap

@@ -26,10 +26,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hisparse.client.backends import check_page_ids, copy_itemsize, dma, torch_dtype
-from hisparse.client.backends.cudadriver import (MAX_REGISTER_CHUNK_BYTES, CudaError, Registration, check,
-                                                 describe, device_view, driver, init_driver, is_registered,
-                                                 register, register_chunks)
+from hisparse.client.backends import dma
+from hisparse.client.backends.cudadriver import (
+    MAX_REGISTER_CHUNK_BYTES,
+    CudaError,
+    Registration,
+    check,
+    describe,
+    device_view,
+    driver,
+    init_driver,
+    is_registered,
+    register,
+    register_chunks,
+)
+from hisparse.client.backends.geometry import check_page_ids, copy_itemsize, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -101,7 +112,6 @@ class CudaBackend:
 
     def scatter_async(self, region: RegionMap, page_ids: np.ndarray, pages: torch.Tensor,
                       rows: np.ndarray) -> Copying:
-        import torch
 
         ids = check_page_ids(page_ids, region.geometry.num_pages)
 

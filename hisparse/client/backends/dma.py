@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hisparse.client.backends import runs
+from hisparse.client.backends.geometry import runs
 
 # Issuing one copy takes the host about 6 us (an H200's machine: 81 copies in 494 us), in which
 # the engines move about 320 KiB: smaller copies on average leave them waiting, and the kernel

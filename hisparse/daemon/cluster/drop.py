@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
 
+from hisparse.daemon.cluster.state import Space, TierState
 from hisparse.daemon.store.namespaces import Namespace
-
-if TYPE_CHECKING:
-    from hisparse.daemon.cluster.tier import ClusterTier
-    from hisparse.daemon.cluster.io import Space
 
 log = logging.getLogger(__name__)
 
 
-def dropped(tier: ClusterTier, ns: Namespace) -> None:
+def dropped(tier: TierState, ns: Namespace) -> None:
     """The loop side: ``ns`` was dropped; its space is unmapped by the worker before its next job."""
     space = tier._spaces.get(ns.name)
     if space is None or space.ns is not ns:
@@ -34,7 +30,7 @@ def dropped(tier: ClusterTier, ns: Namespace) -> None:
     retire(tier, space, unmap=True)
 
 
-def retire(tier: ClusterTier, space: Space, unmap: bool = False) -> None:
+def retire(tier: TierState, space: Space, unmap: bool = False) -> None:
     """The loop side: ``space``'s namespace is gone (dropped, or dropped and made again). Its
     queued puts are forgotten, the index calls asked of the loop for it do nothing, and its
     promotion stops at the next round; with ``unmap``, the worker unmaps it before its next
@@ -48,7 +44,7 @@ def retire(tier: ClusterTier, space: Space, unmap: bool = False) -> None:
             tier._cond.notify()
 
 
-def forget(tier: ClusterTier, space: Space) -> None:
+def forget(tier: TierState, space: Space) -> None:
     """The worker side, between jobs: unregister the region and unmap it."""
     backend = tier._backend
     if backend is not None:

@@ -1,7 +1,7 @@
 """The cluster worker's I/O: connect, write-behind puts, existence probes.
 
-Runs on the cluster worker thread only (``ClusterTier._run``); every index
-change goes through ``ClusterTier._on_loop``. A page's bytes move between
+Runs on the cluster worker thread only (``TierState._run``); every index
+change goes through ``TierState._on_loop``. A page's bytes move between
 its place in the region and Mooncake as ``1 + num_layers`` buffers: the
 64-byte header from the tier's registered header buffer, then the page's
 run in each layer (a page is layer-major strided in the region, one
@@ -15,19 +15,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import Any
 
 from hisparse.cluster import format as fmt
 from hisparse.cluster.mooncake import ClusterUnavailableError
 from hisparse.daemon.cluster.health import ClusterDown, master_answers
-from hisparse.daemon.store.namespaces import Namespace
-from hisparse.shm.region import RegionMap
-
-if TYPE_CHECKING:
-    from hisparse.daemon.cluster.tier import ClusterTier
+from hisparse.daemon.cluster.state import Space, TierState
 
 log = logging.getLogger(__name__)
 
@@ -36,32 +29,8 @@ MAX_PUT_TRIES = 60  # a page's puts before it is dropped: 30 s of 0.5 s pauses
 WRITE_BEHIND_SHARE = 4  # write-behind holds at most 1/4 of a namespace's pages at once
 
 
-@dataclass
-class Space:
-    """One namespace as the tier sees it: fingerprint, the daemon's own mapping of its region."""
-
-    ns: Namespace
-    fp: bytes
-    region: RegionMap
-    queued: set[bytes] = field(default_factory=set)  # keys in the write-behind queue
-    held: dict[bytes, int] = field(default_factory=dict)  # pages the tier reserved: key -> page
-    retries: dict[bytes, int] = field(default_factory=dict)  # failed puts of a queued key so far
-    dropped: bool = False  # its namespace was dropped (set on the loop): no index call, no new round
-
-    def slices(self, page: int) -> tuple[list[int], list[int]]:
-        """Addresses and sizes of ``page``'s per-layer slices, in logical (layer-major) order."""
-        g = self.ns.geometry
-        lpb = g.layout.layer_page_bytes
-        base = self.region.address + page * lpb
-        return [base + layer * g.layer_stride_bytes for layer in range(g.layout.num_layers)], \
-            [lpb] * g.layout.num_layers
-
-    def views(self, page: int) -> list[np.ndarray]:
-        return [self.region.pages_view()[layer, page] for layer in range(self.ns.layout.num_layers)]
-
-
 class Worker:
-    def __init__(self, tier: ClusterTier) -> None:
+    def __init__(self, tier: TierState) -> None:
         self.tier = tier
 
     def connect(self) -> None:
@@ -173,7 +142,7 @@ class Worker:
             backend.close()
 
 
-def exist(tier: ClusterTier, space: Space, keys: list[bytes], *, prefix: bool = True) -> list[bool]:
+def exist(tier: TierState, space: Space, keys: list[bytes], *, prefix: bool = True) -> list[bool]:
     """Which ``keys`` the cluster holds (with ``prefix``: stops after the first it lacks)."""
     backend = _backend(tier)
     out: list[bool] = []
@@ -190,7 +159,7 @@ def exist(tier: ClusterTier, space: Space, keys: list[bytes], *, prefix: bool = 
     return out
 
 
-def _requeue(tier: ClusterTier, held: list[tuple[Space, bytes, int, int]]) -> None:
+def _requeue(tier: TierState, held: list[tuple[Space, bytes, int, int]]) -> None:
     """Back to the queue's head after a failed put: a cluster that is down, restarting, or
     full (Mooncake says the same, "no handle", for the last two); dropped after a few tries."""
     with tier._cond:
@@ -205,15 +174,15 @@ def _requeue(tier: ClusterTier, held: list[tuple[Space, bytes, int, int]]) -> No
                 space.queued.add(key)
 
 
-def _backend(tier: ClusterTier) -> Any:
+def _backend(tier: TierState) -> Any:
     if tier._backend is None:
         raise ClusterDown("not connected")
     return tier._backend
 
 
-def _register(tier: ClusterTier, space: Space) -> None:
+def _register(tier: TierState, space: Space) -> None:
     _backend(tier).register(space.region.address, space.ns.geometry.size_bytes)
 
 
-def _header_address(tier: ClusterTier, slot: int) -> int:
+def _header_address(tier: TierState, slot: int) -> int:
     return int(tier._headers.ctypes.data) + slot * fmt.HEADER_BYTES

@@ -1,6 +1,6 @@
 """The cluster worker's promotions: the cluster's pages of some keys into a namespace, verified.
 
-Runs on the cluster worker thread (``ClusterTier._run``), as ``cluster_io``
+Runs on the cluster worker thread (``TierState._run``), as ``cluster_io``
 does. A promotion goes round by round (``round_pages`` keys): which keys
 the cluster holds -> pages reserved for them (on the loop) -> gets of
 ``batch_pages`` values (over TCP at least ``TCP_GET_PAGES``) -> header
@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -41,10 +41,7 @@ from hisparse.cluster.mooncake import ClusterUnavailableError
 from hisparse.daemon.cluster import io as cluster_io
 from hisparse.daemon.cluster import verify
 from hisparse.daemon.cluster.health import ClusterDown
-
-if TYPE_CHECKING:
-    from hisparse.daemon.cluster.tier import ClusterTier
-    from hisparse.daemon.cluster.io import Space
+from hisparse.daemon.cluster.state import Space, TierState
 
 STAGE_BYTES = 128 << 20  # TCP gets land here first; resident once used
 # The values one round reserves pages for (at least batch_pages of them). The worker serves its
@@ -63,7 +60,7 @@ TCP_GET_PAGES = 256
 Pairs = list[tuple[bytes, int]]
 
 
-def promote(tier: ClusterTier, space: Space, keys: list[bytes], body: dict[str, Any]) -> Iterator[None]:
+def promote(tier: TierState, space: Space, keys: list[bytes], body: dict[str, Any]) -> Iterator[None]:
     """Fetch the cluster's pages of ``keys`` into reserved pages; commit only verified ones.
 
     A generator: it yields after each round, and the worker serves its other jobs (another
@@ -100,12 +97,12 @@ def promote(tier: ClusterTier, space: Space, keys: list[bytes], body: dict[str, 
             fetch(tier, space, mine, body)
 
 
-def round_pages(tier: ClusterTier, space: Space) -> int:
+def round_pages(tier: TierState, space: Space) -> int:
     per = fmt.HEADER_BYTES + space.ns.layout.page_bytes
     return max(tier.config.batch_pages, min(ROUND_BYTES // per, space.ns.index.num_pages // ROUND_SHARE))
 
 
-def reserve(tier: ClusterTier, space: Space, keys: list[bytes]) -> tuple[Pairs, int]:
+def reserve(tier: TierState, space: Space, keys: list[bytes]) -> tuple[Pairs, int]:
     """Pages to fetch ``keys`` into, and how many keys someone else is writing; a loop call
     per ``LOOP_BATCH_PAGES`` keys. A call that fails aborts what the earlier ones reserved."""
     mine: Pairs = []
@@ -122,7 +119,7 @@ def reserve(tier: ClusterTier, space: Space, keys: list[bytes]) -> tuple[Pairs, 
     return mine, busy
 
 
-def fetch(tier: ClusterTier, space: Space, mine: Pairs, body: dict[str, Any]) -> None:
+def fetch(tier: TierState, space: Space, mine: Pairs, body: dict[str, Any]) -> None:
     """Get, check and settle the reserved ``mine``, a get at a time (``batch_pages`` values,
     over TCP at least ``TCP_GET_PAGES``); whatever was not reached when one fails is aborted."""
     per = fmt.HEADER_BYTES + space.ns.layout.page_bytes
@@ -160,7 +157,7 @@ def fetch(tier: ClusterTier, space: Space, mine: Pairs, body: dict[str, Any]) ->
                 tier._on_loop(tier._settle, space, [], rest, undo=True)
 
 
-def _get_staged(tier: ClusterTier, space: Space, mine: Pairs, stage: np.ndarray, offset: int) -> list[int]:
+def _get_staged(tier: TierState, space: Space, mine: Pairs, stage: np.ndarray, offset: int) -> list[int]:
     """Whole values of ``mine`` into ``stage[offset:]``, one after another (getter thread)."""
     per = fmt.HEADER_BYTES + space.ns.layout.page_bytes
     base = int(stage.ctypes.data) + offset
@@ -171,7 +168,7 @@ def _get_staged(tier: ClusterTier, space: Space, mine: Pairs, stage: np.ndarray,
     return got
 
 
-def _fetch_staged(tier: ClusterTier, space: Space, mine: Pairs, got: list[int], stage: np.ndarray,
+def _fetch_staged(tier: TierState, space: Space, mine: Pairs, got: list[int], stage: np.ndarray,
                   body: dict[str, Any]) -> None:
     """Check the staged values of ``mine``, copy the good ones to their pages, settle them."""
     layout = space.ns.layout
@@ -189,7 +186,7 @@ def _fetch_staged(tier: ClusterTier, space: Space, mine: Pairs, got: list[int], 
         verify.count_failed(tier, space, mine, got, verdicts, body)
 
 
-def _fetch_direct(tier: ClusterTier, space: Space, mine: Pairs, body: dict[str, Any]) -> None:
+def _fetch_direct(tier: TierState, space: Space, mine: Pairs, body: dict[str, Any]) -> None:
     """RDMA: header and every layer slice straight into the reserved page, no staging copy."""
     with _settling(tier, space, mine, body) as good:
         cluster_io._register(tier, space)
@@ -209,7 +206,7 @@ def _fetch_direct(tier: ClusterTier, space: Space, mine: Pairs, body: dict[str, 
 
 
 @contextmanager
-def _settling(tier: ClusterTier, space: Space, mine: Pairs, body: dict[str, Any]) -> Iterator[Pairs]:
+def _settling(tier: TierState, space: Space, mine: Pairs, body: dict[str, Any]) -> Iterator[Pairs]:
     """Yields the list the block fills with the good pairs of ``mine``; then they are committed
     and the rest aborted: posted to the loop, or waited for if the block raised."""
     good: Pairs = []
@@ -226,7 +223,7 @@ def _others(mine: Pairs, good: Pairs) -> Pairs:
     return [pair for pair in mine if pair not in kept]
 
 
-def _post_settle(tier: ClusterTier, space: Space, good: Pairs, bad: Pairs, body: dict[str, Any]) -> None:
+def _post_settle(tier: TierState, space: Space, good: Pairs, bad: Pairs, body: dict[str, Any]) -> None:
     """Commit ``good`` and abort ``bad`` on the loop, LOOP_BATCH_PAGES pages a call, not waited
     for. Calls run in the order posted, so whatever the worker posts after them (a waited
     prefetch's reply) finds them done."""
@@ -240,14 +237,14 @@ def _post_settle(tier: ClusterTier, space: Space, good: Pairs, bad: Pairs, body:
                                       [] if committed else part, body, page_bytes)
 
 
-def _settle_and_count(tier: ClusterTier, space: Space, good: Pairs, bad: Pairs, body: dict[str, Any],
+def _settle_and_count(tier: TierState, space: Space, good: Pairs, bad: Pairs, body: dict[str, Any],
                       page_bytes: int) -> None:
     tier._settle(space, good, bad)
     if not space.dropped:
         verify.count_promoted(tier, body, len(good), page_bytes)
 
 
-def _stage(tier: ClusterTier) -> np.ndarray:
+def _stage(tier: TierState) -> np.ndarray:
     """The registered staging buffer of TCP gets (allocated on first use)."""
     if tier._stage is None:
         tier._stage = np.zeros(STAGE_BYTES, dtype=np.uint8)

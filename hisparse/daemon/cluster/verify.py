@@ -12,16 +12,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from hisparse.cluster import format as fmt
 from hisparse.daemon.cluster.health import ClusterDown, master_answers
-
-if TYPE_CHECKING:
-    from hisparse.daemon.cluster.tier import ClusterTier
-    from hisparse.daemon.cluster.io import Space
+from hisparse.daemon.cluster.state import Space, TierState
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +29,7 @@ FIXED_COLUMNS = np.r_[0:6, 8:32]
 DIGEST = slice(32, 48)
 
 
-def checked(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], verdicts: list[str],
+def checked(tier: TierState, space: Space, mine: list[tuple[bytes, int]], verdicts: list[str],
             heads: np.ndarray, parts_of: Callable[[int], list[Any]], body: dict[str, Any]) -> list[int]:
     """The rows of ``mine`` whose value is that page (a "size" verdict, a header and a content
     hash that match, as ``fmt.verify`` checks); the others are refused. ``heads``: one header a row.
@@ -56,7 +53,7 @@ def checked(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], verd
     return good
 
 
-def verdicts(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]],
+def verdicts(tier: TierState, space: Space, mine: list[tuple[bytes, int]],
               got: list[int]) -> list[str]:
     """Per key: "size" (a whole value: check it), "missing", "failed", or "refused" (wrong size)."""
     expected = fmt.HEADER_BYTES + space.ns.layout.page_bytes
@@ -79,7 +76,7 @@ def verdicts(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]],
     return out
 
 
-def refuse(tier: ClusterTier, space: Space, key: bytes, why: str, body: dict[str, int] | None) -> None:
+def refuse(tier: TierState, space: Space, key: bytes, why: str, body: dict[str, int] | None) -> None:
     """A value that is not this page: counted, logged, dropped from the cluster, never committed."""
     if body is not None:
         body["refused"] += 1
@@ -88,7 +85,7 @@ def refuse(tier: ClusterTier, space: Space, key: bytes, why: str, body: dict[str
     backend(tier).remove([fmt.cluster_key(space.fp, key)])
 
 
-def count_failed(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]], got: list[int],
+def count_failed(tier: TierState, space: Space, mine: list[tuple[bytes, int]], got: list[int],
                   verdicts: list[str], body: dict[str, int]) -> None:
     body["refused"] += verdicts.count("refused")
     body["missing"] += verdicts.count("missing")
@@ -103,13 +100,13 @@ def count_failed(tier: ClusterTier, space: Space, mine: list[tuple[bytes, int]],
     # else those keys' failure (a get that met an overwrite): the tier serves on
 
 
-def count_promoted(tier: ClusterTier, body: dict[str, int], pages: int, page_bytes: int) -> None:
+def count_promoted(tier: TierState, body: dict[str, int], pages: int, page_bytes: int) -> None:
     body["promoted"] += pages
     tier.counters["promoted_pages"] += pages
     tier.counters["promoted_bytes"] += pages * page_bytes
 
 
-def backend(tier: ClusterTier) -> Any:
+def backend(tier: TierState) -> Any:
     if tier._backend is None:
         raise ClusterDown("not connected")
     return tier._backend

@@ -16,8 +16,22 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from hisparse.daemon.conf.values import (  # noqa: F401 (ConfigError, MIN_LEASE_TTL_S, LOG_LEVELS re-exported)
-    LOG_LEVELS, MIN_LEASE_TTL_S, UNIX_PATH_MAX, ConfigError, choice_value, count_value, group_value, level_value,
-    metrics_address_value, path_value, seconds_value, share_value, size_value, size_or_zero_value, text_value, ttl_value,
+    LOG_LEVELS,
+    MIN_LEASE_TTL_S,
+    UNIX_PATH_MAX,
+    ConfigError,
+    choice_value,
+    count_value,
+    group_value,
+    level_value,
+    metrics_address_value,
+    path_value,
+    seconds_value,
+    share_value,
+    size_or_zero_value,
+    size_value,
+    text_value,
+    ttl_value,
 )
 from hisparse.layout import format_size
 from hisparse.paths import SYSTEM_SOCKET, daemon_default_socket_path  # noqa: F401 (SYSTEM_SOCKET re-exported)
@@ -75,12 +89,16 @@ class Config:
     default_namespace_capacity_bytes: int = 1 << 30
     min_page_bytes: int = 64  # a layout with smaller pages is refused (hello: INVALID_ARGUMENT)
     max_namespaces: int = 64
-    # Shares of a namespace's pages (quotas.py), per session and per peer (a uid; None: the session's).
+    # Shares of a namespace's pages (quotas.py), per session and per peer (a uid; None: the session's);
+    # they bind only while another session / another uid contends (contention.py): alone, all of it.
     session_pin_share: float = 0.5
     session_reserve_share: float = 0.5
     peer_pin_share: float | None = None
     peer_reserve_share: float | None = None
-    peer_max_namespaces: int = 8  # namespaces one peer may create that the config does not name
+    # Namespaces one peer may create that the config does not name: half the slots, so a lone tenant
+    # never meets it (TP 8 of a DSA model: 16, a cluster check: 9); while another uid has made one,
+    # also at most half the unnamed slots (namespaces.py).
+    peer_max_namespaces: int = 32
     namespaces: dict[str, NamespaceConfig] = field(default_factory=dict)
     # What the daemon admits (hisparse.daemon.policy.limits; a refusal is QUOTA_EXCEEDED naming the key).
     # A peer is a uid, as the kernel reports the connecting process.

@@ -20,17 +20,15 @@ a connection accepted meanwhile is shut at once, and the headroom above the
 budget (``Limits.headroom``) absorbs the listen backlog and what libzmq
 accepted before the guard read the event.
 
-Before shutting a descriptor down the guard checks that it is still a unix
-socket on the daemon's own path, so a number libzmq has closed and the
-process reused is never touched.
+Shedding never touches a connection it did not mean (``front.shedding``):
+before shutting a descriptor down, or answering a request as refused, the
+guard reads every event still queued and checks the socket's inode.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
-import struct
 import time
 from collections import Counter
 from typing import Any
@@ -40,6 +38,7 @@ import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
 from hisparse.daemon.front.door import DoorWatch
+from hisparse.daemon.front.shedding import Refusal, peer_credentials, shutdown_if_ours, socket_ino
 from hisparse.daemon.policy.limits import CAP_KEYS, FDS_PER_CONNECTION, Limits
 
 log = logging.getLogger(__name__)
@@ -56,38 +55,38 @@ MAX_REFUSALS_PER_S = 64
 STORM_CLOSE_S = 1.0
 LOG_INTERVAL_S = 5.0
 MAX_EVENTS_PER_READ = 256  # monitor events handled per call; more are read in the next one
-_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-def peer_credentials(fd: int) -> tuple[int, int] | None:
-    """(uid, pid) of the process at the other end of socket ``fd``, from the kernel."""
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return None
-    try:
-        pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-        return uid, pid
-    except OSError:
-        return None
-    finally:
-        sock.detach()
+def _own_fd(fd: int | None, uid: int | None, pid: int | None) -> int | None:
+    """``fd`` when the kernel says its socket is the sender's (``uid``, ``pid``: libzmq's word
+    at accept), else None. Frames a closed connection left queued are read after its
+    disconnect event, and its number may be another tenant's connection by then: shedding
+    that number for them shed the other (a junk flood lost other uids' pings)."""
+    if fd is None or uid is None:
+        return fd
+    return fd if peer_credentials(fd) == (uid, pid) else None
 
 
-def _shutdown_if_ours(fd: int, path: str) -> bool:
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return False
-    try:
-        if sock.family != socket.AF_UNIX or os.path.normpath(sock.getsockname()) != path:
-            return False
-        sock.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.detach()
+def monitor_reader(router: zmq.Socket, events: int) -> zmq.Socket:
+    """The PAIR socket that receives ``router``'s monitor events, with no bound on its queue.
+
+    libzmq's I/O thread sends each event with a blocking send while it holds
+    the router's monitor lock. With the default bounds (1,000 + 1,000 events)
+    a thousand connects and closes the loop does not read (at shutdown, when
+    it has stopped reading them) fill the pipe, that thread blocks for good,
+    and ``disable_monitor()`` then waits on the lock forever: SIGTERM never
+    completes. ``RCVHWM`` 0 on the reader, set before it connects (libzmq
+    sizes an inproc pipe at connect, and a 0 on either end bounds nothing),
+    means no event send ever blocks; the events wait in memory until read.
+    """
+    # A name of its own: pyzmq's default names it by the router's descriptor number, which a
+    # later daemon in the same process (the in-process tests) may get while the old one lingers.
+    addr = f"inproc://hisparsed-monitor-{os.urandom(8).hex()}"
+    router.monitor(addr, events)
+    reader = router.context.socket(zmq.PAIR)
+    reader.setsockopt(zmq.RCVHWM, 0)
+    reader.connect(addr)
+    return reader
 
 
 class ConnectionGuard:
@@ -98,13 +97,10 @@ class ConnectionGuard:
         # The Cython socket's own recv: pyzmq's Python-level layer costs more than the read.
         self._recv = zmq.backend.Socket.recv.__get__(router)
         self.endpoint = endpoint
-        # A name of its own: pyzmq's default names it by the router's descriptor number, which a
-        # later daemon in the same process (the in-process tests) may get while the old one lingers.
-        self.monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED,
-                                                 addr=f"inproc://hisparsed-monitor-{os.urandom(8).hex()}")
+        self.monitor = monitor_reader(router, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.open: dict[int, int | None] = {}  # descriptor -> uid of an admitted connection
         self.uid_connections: Counter[int | None] = Counter()
-        self.refusing: dict[int, tuple[float, str]] = {}  # descriptor -> (deadline, message)
+        self.refusing: dict[int, Refusal] = {}  # descriptor -> the connection it is, being refused
         self.listening = False  # the socket file's mode lets peers connect
         self._closed_until_s = 0.0
         self._window_s = 0.0  # refusals counted since then
@@ -119,10 +115,19 @@ class ConnectionGuard:
         return self.monitor.getsockopt(zmq.FD)
 
     def on_events(self) -> bool:
-        """Read every pending monitor event, then act on what is still open; True when more
+        """Read pending monitor events, then act on what is still open; True when more
         are queued already."""
+        self._read_events(MAX_EVENTS_PER_READ)  # a storm of them must not hold the loop
+        self.expire_refusals()
+        self.regulate()
+        return bool(self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def _read_events(self, limit: int | None) -> None:
+        """Apply up to ``limit`` queued monitor events (None: every one queued)."""
         accepted: list[int] = []
-        for _ in range(MAX_EVENTS_PER_READ):  # a storm of them must not hold the loop
+        read = 0
+        while limit is None or read < limit:
+            read += 1
             try:
                 event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
@@ -139,9 +144,6 @@ class ConnectionGuard:
                 self._gone(fd)
         for fd in accepted:
             self._accepted(fd)
-        self.expire_refusals()
-        self.regulate()
-        return bool(self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def bind(self) -> None:
         self.router.setsockopt(zmq.BACKLOG, BACKLOG)
@@ -202,7 +204,7 @@ class ConnectionGuard:
                          f"{len(self.open)} connections are open")
         elif limits.in_large_backoff(uid):  # before libzmq reads its frames into memory
             self._backoff_refusal(uid)
-            _shutdown_if_ours(fd, self.path)
+            self._shed(fd, 0.0)
         elif self.uid_connections[uid] >= caps.max_connections_per_uid:
             self._refuse(fd, "max_connections_per_uid", caps.max_connections_per_uid,
                          f"uid {uid} has {self.uid_connections[uid]} connections open")
@@ -229,9 +231,9 @@ class ConnectionGuard:
         self._count_refusal()
         message = f"connection refused: {key} ({limit}) reached: {detail}"
         if now or len(self.refusing) >= MAX_REFUSING:  # a flood of them is shed unanswered
-            _shutdown_if_ours(fd, self.path)
+            self._shed(fd, 0.0)  # at the end of this batch of events: expire_refusals
         else:
-            self.refusing[fd] = (time.monotonic() + REFUSAL_GRACE_S, message)
+            self._shed(fd, time.monotonic() + REFUSAL_GRACE_S, message)
         if time.monotonic() - self._logged_s > LOG_INTERVAL_S:
             self._logged_s = time.monotonic()
             log.warning("%s (refusals so far: %s)", message, dict(self.refused))
@@ -243,21 +245,43 @@ class ConnectionGuard:
         if self.listening and self._window_refusals > MAX_REFUSALS_PER_S:
             self.regulate()
 
+    def _shed(self, fd: int, deadline_s: float, message: str = "") -> None:
+        """Shed the connection open as ``fd`` now, at ``deadline_s`` (``expire_refusals``)."""
+        self.refusing[fd] = Refusal(deadline_s, message, socket_ino(fd))
+
+    def _refused(self, fd: int | None) -> Refusal | None:
+        """The refusal of the connection open as ``fd`` now; None if it is not being refused,
+        or the number is another connection's (events read first: a disconnect queued
+        drops the refusal of the connection that had it)."""
+        if fd is None or fd not in self.refusing:
+            return None
+        self._read_events(None)
+        refusal = self.refusing.get(fd)
+        return refusal if refusal is not None and socket_ino(fd) == refusal.ino else None
+
     def refusal_for(self, fd: int | None) -> str | None:
         """The refusal message when a request came on a connection being refused ("" once it
         was answered: the rest are dropped unread)."""
-        if fd is None or fd not in self.refusing:
+        refusal = self._refused(fd)
+        if refusal is None:
             return None
-        deadline, message = self.refusing[fd]
-        self.refusing[fd] = (min(deadline, time.monotonic() + 0.05), "")  # the reply goes first
-        return message
+        assert fd is not None
+        # the reply goes first
+        self.refusing[fd] = refusal._replace(deadline_s=min(refusal.deadline_s, time.monotonic() + 0.05),
+                                             message="")
+        return refusal.message
 
     def expire_refusals(self) -> None:
+        """Shed the refused connections whose time is up: after reading every event queued, so
+        a connection that closed meanwhile is forgotten, not confused with its number's next."""
+        if not any(r.deadline_s <= time.monotonic() for r in self.refusing.values()):
+            return
+        self._read_events(None)
         now = time.monotonic()
-        for fd, (deadline, _) in list(self.refusing.items()):
-            if deadline <= now:
+        for fd, refusal in list(self.refusing.items()):
+            if refusal.deadline_s <= now:
                 del self.refusing[fd]
-                _shutdown_if_ours(fd, self.path)
+                shutdown_if_ours(fd, self.path, refusal.ino)
 
     def recv(self) -> tuple[bytes, list[bytes], list[bytes], str | None]:
         """One message of the router: (identity, envelope, body frames, refusal of its
@@ -281,10 +305,11 @@ class ConnectionGuard:
                 refusal = self.refusal_for(fd)
                 if refusal is None:
                     peer = self.limits.peer(identity, frame.get("Peer-Address"), fd)
+                    peer.fd = fd = _own_fd(fd, peer.uid, peer.pid)
                     known = True
                     if fd is not None and fd not in self.open and self.limits.in_large_backoff(peer.uid):
                         refusal = self._backoff_refusal(peer.uid)  # read before its accept event
-                        self.refusing[fd] = (time.monotonic() + 0.05, "")
+                        self._shed(fd, time.monotonic() + 0.05)
             parts.append(frame.bytes)
             if not frame.more:
                 break
@@ -300,15 +325,17 @@ class ConnectionGuard:
         if peer is not None and peer.fd in self.refusing:
             return ""  # told once already; being shed
         refusal = self.limits.admit_large_frame(identity, size, per_connection_bytes)
-        if refusal is not None and peer is not None and peer.fd is not None:
-            self.refusing[peer.fd] = (time.monotonic() + 0.05, "")  # this reply goes first
+        fd = _own_fd(peer.fd, peer.uid, peer.pid) if peer is not None else None
+        if refusal is not None and fd is not None:
+            self._shed(fd, time.monotonic() + 0.05)  # this reply goes first
             self._count_refusal()  # shed senders reconnect: a storm of them closes the door
         return refusal
 
     def shedding(self, identity: bytes) -> bool:
         """Whether ``identity``'s connection was answered its refusal and is being shed."""
         peer = self.limits.peers.get(identity)
-        return peer is not None and self.refusing.get(peer.fd, (0.0, None))[1] == ""
+        refusal = self._refused(peer.fd) if peer is not None else None
+        return refusal is not None and refusal.message == ""
 
     def shed_invalid_large(self, identity: bytes) -> None:
         """A frame over LARGE_FRAME_BYTES that is no request at all (not msgpack, not a request
@@ -319,7 +346,9 @@ class ConnectionGuard:
             return
         self.limits.refused["max_request_bytes_in_flight"] += 1
         self.limits.large_backoff_for(peer.uid)
-        self.refusing[peer.fd] = (time.monotonic() + 0.05, "")
+        fd = _own_fd(peer.fd, peer.uid, peer.pid)  # None: closed, its number maybe another's now
+        if fd is not None:
+            self._shed(fd, time.monotonic() + 0.05)
         self._count_refusal()
 
     def stats(self) -> dict[str, Any]:

@@ -25,13 +25,13 @@ import zmq.backend
 from hisparse import protocol
 from hisparse.daemon.front import notify
 from hisparse.daemon.front.connections import ConnectionGuard
-from hisparse.daemon.front.fairness import FairQueue
 from hisparse.daemon.front.dispatch import EXPRESS_FRAME_BYTES, dispatch, express, finish, resume, serve_request
-from hisparse.daemon.ops.handlers import DaemonContext
-from hisparse.daemon.policy.limits import LARGE_FRAME_BYTES, Limits, caps_of
+from hisparse.daemon.front.fairness import FairQueue
 from hisparse.daemon.front.outbox import Outbox
-from hisparse.daemon.ops.slicing import Sliced
 from hisparse.daemon.front.timers import eviction_log, loop_lag, ready_then_watchdog, reaper
+from hisparse.daemon.ops.handlers import DaemonContext
+from hisparse.daemon.ops.slicing import Sliced
+from hisparse.daemon.policy.limits import LARGE_FRAME_BYTES, Limits, caps_of
 from hisparse.protocol import ErrorCode, Op, WireError
 
 log = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hisparse.daemon.policy.access import AccessControl
 from hisparse.daemon.conf.config import Config
-from hisparse.daemon.store.namespaces import Namespace, Registry
 from hisparse.daemon.ops.opstats import OpStats
+from hisparse.daemon.policy.access import AccessControl
+from hisparse.daemon.store.namespaces import Namespace, Registry
 from hisparse.daemon.store.sessions import Session, SessionTable
 from hisparse.protocol import AdminRequest, ErrorCode, WireError
 from hisparse.shm.fence import FENCE_DIR_MODE, fence_dir_for

@@ -19,13 +19,18 @@ from typing import Any
 import hisparse
 from hisparse.daemon.ops.admin import handle_clear, handle_evict_session, handle_shutdown
 from hisparse.daemon.ops.context import DaemonContext, Deferred, Handler, ns_of
-from hisparse.daemon.ops.hello import handle_hello
 from hisparse.daemon.ops.governance import handle_drop
-from hisparse.daemon.store.sessions import Session
+from hisparse.daemon.ops.hello import handle_hello
 from hisparse.daemon.ops.stats import handle_stats
 from hisparse.daemon.ops.writes import (
-    handle_abort, handle_commit, handle_pin, handle_publish, handle_reserve, handle_unpin,
+    handle_abort,
+    handle_commit,
+    handle_pin,
+    handle_publish,
+    handle_reserve,
+    handle_unpin,
 )
+from hisparse.daemon.store.sessions import Session
 from hisparse.protocol import (
     MAX_REPLY_ENTRIES,
     VERSION,

@@ -14,8 +14,8 @@ from typing import Any
 
 import hisparse
 from hisparse.daemon.ops.context import DaemonContext, Deferred
-from hisparse.daemon.store.namespaces import Namespace
 from hisparse.daemon.policy.peers import Peer, from_address
+from hisparse.daemon.store.namespaces import Namespace
 from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch, QuotaExceeded
 from hisparse.protocol import ErrorCode, HelloRequest, WireError
 

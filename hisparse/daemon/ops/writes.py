@@ -24,10 +24,10 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from hisparse.daemon.ops.context import DaemonContext, ns_of
-from hisparse.daemon.store.namespaces import Namespace
-from hisparse.daemon.policy.quotas import check_pin_quota, reserve_room, shortfall
-from hisparse.daemon.store.sessions import PinHold, Session
 from hisparse.daemon.ops.slicing import SLICE_KEYS, Sliced, Steps, run, session_alive, spans
+from hisparse.daemon.policy.quotas import check_pin_quota, reserve_room, shortfall
+from hisparse.daemon.store.namespaces import Namespace
+from hisparse.daemon.store.sessions import PinHold, Session
 from hisparse.protocol import ErrorCode, KeysRequest, PagesRequest, PublishRequest, WireError
 
 CHECK_SLICE = 4 * SLICE_KEYS  # checking a key (a dict lookup) costs a few times less than changing it
@@ -220,6 +220,8 @@ def _pin(ctx: DaemonContext, session: Session, req: KeysRequest, ns: Namespace) 
         pages += now[:same]
         if same < stop - start:
             break  # evicted meanwhile: the prefix ends here
+    if req.missed is not None:  # a mirror's lookups (the vLLM adapter): its hits are these pins
+        ns.index.count_lookup(len(req.keys) + req.missed, len(pages))
     return {"count": len(pages), "pages": pages}
 
 

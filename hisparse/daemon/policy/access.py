@@ -28,8 +28,8 @@ import logging
 import os
 import secrets
 
-from hisparse.daemon.policy import trust
 from hisparse.daemon.conf.config import Config
+from hisparse.daemon.policy import trust
 from hisparse.paths import ACCESS_DIR_NAME, access_key_path
 from hisparse.protocol import ErrorCode, WireError
 

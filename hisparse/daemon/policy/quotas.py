@@ -10,8 +10,14 @@ that takes a page (``reserve``; ``pin``; ``publish`` with ``pin``):
   pages are still fenced included (``peers`` says why the uid). Opening more
   sessions, connections or processes buys nothing. And what a peer holds in
   all (reserved + pinned) stays within the larger of its two shares, so with
-  the defaults (0.5) one uid never holds more than half a region, whatever
-  mix of pins and reservations it tries: the rest stays evictable for others.
+  the defaults (0.5) one uid never takes more than half a region while
+  another wants it, whatever mix of pins and reservations it tries.
+
+Shares are work-conserving (``contention``): a share binds only while
+someone else contends for the namespace (another uid attached, for the
+peer shares; another session asking and getting fewer pages than it asked,
+for the session shares).
+Alone, one engine, or the engines of one uid, may hold the whole region.
 
 A reserve beyond a share is cut short, and its reply says so
 (``shortfall``: by ``quota``, naming the share, or by ``room``, saying who
@@ -27,6 +33,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from hisparse.daemon.policy.contention import note_short, peer_contended, session_contended
 from hisparse.protocol import ErrorCode, WireError
 
 if TYPE_CHECKING:
@@ -53,16 +60,22 @@ def peer_usage(ctx: DaemonContext, session: Session, ns: Namespace) -> tuple[int
     return reserved, ctx.sessions.pinned_by(session.owner.key, ns.name)
 
 
-def _shares(ctx: DaemonContext) -> tuple[float, float, float, float]:
+def _shares(ctx: DaemonContext, session: Session, ns: Namespace) -> tuple[float, float, float, float]:
+    """(session reserve, peer reserve, session pin, peer pin) shares in force now: 1 where uncontended."""
     cfg = ctx.config
     peer_reserve = cfg.peer_reserve_share if cfg.peer_reserve_share is not None else cfg.session_reserve_share
     peer_pin = cfg.peer_pin_share if cfg.peer_pin_share is not None else cfg.session_pin_share
-    return cfg.session_reserve_share, peer_reserve, cfg.session_pin_share, peer_pin
+    if min(cfg.session_reserve_share, cfg.session_pin_share) < 1 and not session_contended(ctx, session, ns):
+        session_reserve = session_pin = 1.0
+    else:
+        session_reserve, session_pin = cfg.session_reserve_share, cfg.session_pin_share
+    if min(peer_reserve, peer_pin) < 1 and not peer_contended(ctx, session, ns):
+        peer_reserve = peer_pin = 1.0
+    return session_reserve, peer_reserve, session_pin, peer_pin
 
 
-def _hold_limit(ctx: DaemonContext, num_pages: int) -> int:
+def _hold_limit(num_pages: int, peer_reserve: float, peer_pin: float) -> int:
     """Pages one peer may hold in all, reserved and pinned together."""
-    _, peer_reserve, _, peer_pin = _shares(ctx)
     return limit_pages(max(peer_reserve, peer_pin), num_pages)
 
 
@@ -71,24 +84,29 @@ def reserve_room(ctx: DaemonContext, session: Session) -> tuple[int, str]:
     ns = session.namespace
     assert ns is not None
     num_pages = ns.geometry.num_pages
-    session_share, peer_share, _, _ = _shares(ctx)
-    rooms = [(limit_pages(session_share, num_pages) - len(session.reservations),
-              f"session_reserve_share {session_share} of {num_pages} pages")]
+    session_share, peer_share, _, peer_pin = _shares(ctx, session, ns)
+    rooms = [(num_pages, "")]  # no share binds: the region's own size bounds it (room, not quota)
+    if session_share < 1:
+        rooms.append((limit_pages(session_share, num_pages) - len(session.reservations),
+                      f"session_reserve_share {session_share} of {num_pages} pages, while another "
+                      "session of the namespace holds or asks for pages"))
     # a peer limit of the whole region is none: the region's own size bounds it (room, not quota)
-    hold, peer_limit = _hold_limit(ctx, num_pages), limit_pages(peer_share, num_pages)
+    hold, peer_limit = _hold_limit(num_pages, peer_share, peer_pin), limit_pages(peer_share, num_pages)
     if peer_limit < num_pages or hold < num_pages:
         reserved, pinned = peer_usage(ctx, session, ns)
     if peer_limit < num_pages:
         rooms.append((peer_limit - reserved,
                       f"peer_reserve_share {peer_share} of {num_pages} pages, for every session of "
-                      f"{session.owner.describe()} together"))
+                      f"{session.owner.describe()} together, while another uid is attached"))
     if hold < num_pages:
         rooms.append((hold - reserved - pinned,
                       f"peer_reserve_share: {reserved + pinned} pages reserved or pinned by every session "
                       f"of {session.owner.describe()} together, at most {hold} (the larger of "
-                      f"peer_pin_share and peer_reserve_share of {num_pages} pages)"))
+                      f"peer_pin_share and peer_reserve_share of {num_pages} pages), while another uid "
+                      "is attached"))
     room, limit = min(rooms, key=lambda r: r[0])
     if room <= 0:
+        note_short(session)
         raise WireError(ErrorCode.QUOTA_EXCEEDED,
                         f"reserve: no room left within {limit}; commit, abort or unpin some first")
     return room, limit
@@ -102,9 +120,10 @@ def shortfall(ctx: DaemonContext, session: Session, asked: int, answered: int, g
     """
     if answered >= asked:
         return None
+    note_short(session)
     ns = session.namespace
     assert ns is not None
-    if got >= room:
+    if got >= room and limit:  # "" : no share bound it, the region did
         body = {"by": "quota", "limit": limit.split()[0].rstrip(":"),
                 "message": f"reserve cut short after {got} new pages: {limit}"}
     else:
@@ -128,6 +147,12 @@ def _warn(session: Session, namespace: str, message: str) -> None:
     log.warning("store short for %s (%s): %s", session.describe(), session.owner.describe(), message)
 
 
+def _refused(session: Session, message: str) -> WireError:
+    """A pin refused by a share: ``session`` got fewer pages than it asked for (it contends)."""
+    note_short(session)
+    return WireError(ErrorCode.QUOTA_EXCEEDED, message)
+
+
 def check_pin_quota(ctx: DaemonContext, session: Session, pages: list[int],
                     reserved_now: bool = False) -> None:
     """Refuse (nothing pinned) a pin that would take ``session`` or its peer past its pin share.
@@ -138,32 +163,32 @@ def check_pin_quota(ctx: DaemonContext, session: Session, pages: list[int],
     ns = session.namespace
     assert ns is not None
     num_pages = ns.geometry.num_pages
-    _, _, session_share, peer_share = _shares(ctx)
     new = len(set(pages) - session.pins.keys())
     if not new:
         return
+    _, peer_reserve, session_share, peer_share = _shares(ctx, session, ns)
     limit = limit_pages(session_share, num_pages)
     after = len(session.pins) + new
     if after > limit:
-        raise WireError(ErrorCode.QUOTA_EXCEEDED,
-                        f"pin: {after} pinned pages would pass this session's limit of {limit} "
-                        f"(session_pin_share {session_share} of {num_pages} pages); unpin some first")
-    hold, limit = _hold_limit(ctx, num_pages), limit_pages(peer_share, num_pages)
+        raise _refused(session,
+                       f"pin: {after} pinned pages would pass this session's limit of {limit} "
+                       f"(session_pin_share {session_share} of {num_pages} pages); unpin some first")
+    hold, limit = _hold_limit(num_pages, peer_reserve, peer_share), limit_pages(peer_share, num_pages)
     if hold >= num_pages and limit >= num_pages:
-        return  # peer shares of 1: no peer limit
+        return  # peer shares of 1, or no other uid here: no peer limit
     reserved, pinned = peer_usage(ctx, session, ns)
     new = len(set(pages) - ctx.sessions.peer_pinned_pages(session.owner.key, ns.name).keys())
     if not new:
         return
     after = pinned + new
     if after > limit:
-        raise WireError(ErrorCode.QUOTA_EXCEEDED,
-                        f"pin: {after} pinned pages would pass the limit of {limit} for every session "
-                        f"of {session.owner.describe()} together (peer_pin_share {peer_share} of "
-                        f"{num_pages} pages); unpin some first")
+        raise _refused(session,
+                       f"pin: {after} pinned pages would pass the limit of {limit} for every session "
+                       f"of {session.owner.describe()} together (peer_pin_share {peer_share} of "
+                       f"{num_pages} pages); unpin some first")
     if not reserved_now and hold < num_pages and reserved + pinned + new > hold:
-        raise WireError(ErrorCode.QUOTA_EXCEEDED,
-                        f"pin: {reserved + pinned + new} pages reserved or pinned would pass the limit "
-                        f"of {hold} for every session of {session.owner.describe()} together (the "
-                        f"larger of peer_pin_share and peer_reserve_share of {num_pages} pages); "
-                        "unpin or commit some first")
+        raise _refused(session,
+                       f"pin: {reserved + pinned + new} pages reserved or pinned would pass the limit "
+                       f"of {hold} for every session of {session.owner.describe()} together (the "
+                       f"larger of peer_pin_share and peer_reserve_share of {num_pages} pages); "
+                       "unpin or commit some first")

@@ -31,16 +31,14 @@ import glob
 import logging
 import os
 import stat
-from typing import TYPE_CHECKING
 
 from hisparse.daemon.policy import trust
 from hisparse.daemon.store.index import NamespaceIndex
+from hisparse.daemon.store.namespaces import REGION_SUFFIX, TABLE_SUFFIX, Namespace, Registry, namespace_cost_bytes
 from hisparse.errors import CapacityError, InvalidArgument
 from hisparse.layout import format_size
+from hisparse.paths import namespace_tag
 from hisparse.shm.table import MetaTable
-
-if TYPE_CHECKING:
-    from hisparse.daemon.store.namespaces import Namespace, Registry
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +48,7 @@ def _check_table(fd: int, path: str) -> None:
 
 
 def adopt_all(registry: Registry) -> None:
-    from hisparse.daemon.store.namespaces import TABLE_SUFFIX
-
+    """Adopt what an earlier run left (or remove it with ``--fresh``)."""
     cfg = registry.config
     named: set[str] = set()
     unread = 0  # our tables we could not read: their regions may be among the unnamed
@@ -96,7 +93,6 @@ def _region_path_of(registry: Registry, table: MetaTable) -> str | None:
     In the region directory; a table of the earlier layout names a file
     directly in ``shm_dir``, which is moved into the region directory here.
     """
-    from hisparse.daemon.store.namespaces import namespace_tag
 
     name = table.header.region_file
     if "/" in name or not name.startswith(f"hisparse-{namespace_tag(table.header.namespace)}-"):
@@ -137,7 +133,6 @@ def _migrate(legacy: str, path: str) -> bool:
 
 
 def _adopt(registry: Registry, table: MetaTable, region_path: str | None) -> Namespace:
-    from hisparse.daemon.store.namespaces import Namespace, namespace_cost_bytes
 
     cfg = registry.config
     h = table.header
@@ -186,7 +181,6 @@ def _remove(table: MetaTable, region_path: str | None) -> None:
 
 def _remove_unnamed(registry: Registry, named: set[str], unread: int) -> None:
     """Region files in our own region directory that no table names: ours and unused, removed."""
-    from hisparse.daemon.store.namespaces import REGION_SUFFIX
 
     if registry.region_dir == registry.config.shm_dir:
         return  # an in-process registry without a directory of its own: nothing is provably ours
@@ -208,7 +202,6 @@ def _remove_unnamed(registry: Registry, named: set[str], unread: int) -> None:
 
 def _report_legacy(registry: Registry, named: set[str]) -> None:
     """Region files directly in ``shm_dir`` that none of our tables names: never ours to touch."""
-    from hisparse.daemon.store.namespaces import REGION_SUFFIX
 
     if registry.region_dir == registry.config.shm_dir:
         return

@@ -155,11 +155,15 @@ class NamespaceIndex(PinCounts):
             hits.reverse()
             self.lru.touch_many(hits)
             found = len(hits)
+        self.count_lookup(len(keys), found)
+        return found
+
+    def count_lookup(self, keys: int, hits: int) -> None:
+        """One lookup of ``keys`` keys, ``hits`` of them committed (also a mirror's, reported by pin)."""
         c = self.counters
         c.lookups += 1
-        c.lookup_keys += len(keys)
-        c.hit_keys += found
-        return found
+        c.lookup_keys += keys
+        c.hit_keys += hits
 
     # -- writes --
 

@@ -28,11 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hisparse.daemon.store import background
-
+from hisparse.daemon.conf.config import Config
 from hisparse.daemon.policy import trust
 from hisparse.daemon.policy.access import give_to_group
-from hisparse.daemon.conf.config import Config
+from hisparse.daemon.store import background
 from hisparse.daemon.store.index import NamespaceIndex
 from hisparse.errors import CapacityError, InvalidArgument, LayoutMismatch, QuotaExceeded
 from hisparse.layout import KVLayout, format_size
@@ -131,13 +130,6 @@ class Registry:
         return os.path.join(self.region_dir,
                             f"hisparse-{namespace_tag(namespace)}-{region_id:016x}{REGION_SUFFIX}")
 
-    # -- start-up --
-
-    def adopt_all(self) -> None:
-        """Adopt what an earlier run left (or remove it with ``--fresh``)."""
-        from hisparse.daemon.store.adoption import adopt_all
-
-        adopt_all(self)
 
     # -- attach --
 
@@ -234,10 +226,14 @@ class Registry:
                                 "config; drop one (hisparsectl drop NAME) or raise max_namespaces")
         if creator is not None:
             mine = sum(1 for _, key in unlisted if key == creator.key)
-            if mine >= cfg.peer_max_namespaces:
+            # work-conserving, as the shares: past half the unnamed slots only while no other uid made one
+            contended = any(key not in (None, creator.key) for _, key in unlisted)
+            if mine >= cfg.peer_max_namespaces or (contended and mine >= max(1, slots // 2)):
                 raise QuotaExceeded(f"peer_max_namespaces ({cfg.peer_max_namespaces}): "
                                     f"{creator.describe()} has created {mine} namespaces not named in "
-                                    "the config; drop one (hisparsectl drop NAME) or name it in the config")
+                                    f"the config ({slots} slots for those; while another uid has made "
+                                    "some, one uid takes at most half); drop one (hisparsectl drop NAME) "
+                                    "or name it in the config")
 
     def _plan(self, name: str, layout: KVLayout, requested_bytes: int | None,
               warnings: list[str], creator: Any = None) -> tuple[RegionGeometry, int]:

@@ -28,10 +28,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from hisparse.daemon.store.calltags import CallTags
-from hisparse.daemon.store.namespaces import Namespace, Registry
 from hisparse.daemon.policy.peers import Peer, uid_of_pid
 from hisparse.daemon.policy.proclocks import lock_holders
+from hisparse.daemon.store.calltags import CallTags
+from hisparse.daemon.store.namespaces import Namespace, Registry
 from hisparse.errors import InvalidArgument
 from hisparse.shm.fence import FENCE_SUFFIX, LOST, FenceFile
 

@@ -1,0 +1,64 @@
+"""A flood costs only the flooder: another uid's ping on a new connection (``hisparsectl
+ping``'s path) and lookup on its own connection stay answered within tens of milliseconds,
+and the daemon's memory within its stated bound, while one uid floods.
+
+The attackers are ``benchmarks/bounds_peer.py``'s, forked as a real other user
+(``tests.tenants``); the daemon runs on the shipped defaults.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from benchmarks.hostile import forked_bounds_peers, fresh_pings, peak_rss_bytes
+from hisparse import KVLayout, protocol
+from hisparse.protocol import Op
+from tests.rawclient import RawClient, keys_for
+from tests.tenants import ATTACKER_UID, needs_root
+from tests.tenants import tenant_daemon  # noqa: F401 - a fixture
+
+LAYOUT = KVLayout(num_layers=3, block_tokens=4, row_bytes=16)
+# What libzmq may hold for one connection before the daemon reads a frame of it: RCVHWM (2)
+# queued and one being read, each at most MAX_FRAME_BYTES (docs/governance.md states the bound).
+PER_CONNECTION_BYTES = 3 * protocol.MAX_FRAME_BYTES
+# Expected: tens of ms on a busy 2-core box. Far above it, well below what a lost reply costs
+# (fresh_pings counts one as 5 s; before the fix a junk flood lost new connections' pings).
+SLOW_S = 1.0
+
+FLOODS = {
+    "malformed frames from 4 connections": (["junk", "4"], 4),
+    "hello storm": (["hellos"], 0),
+    "48 connections of frames just under the limit": (["frames", "48", str(protocol.MAX_FRAME_BYTES)], 48),
+}
+
+
+@needs_root
+@pytest.mark.parametrize("flood", list(FLOODS))
+def test_a_flood_of_one_uid_costs_another_uid_nothing(tenant_daemon, flood):
+    kinds, connections = FLOODS[flood]
+    d = tenant_daemon()
+    engine = RawClient(d.socket)
+    try:
+        engine.hello("ns", LAYOUT, LAYOUT.page_bytes * 64)
+        keys = keys_for("engine", 8)
+        assert engine.store(keys, [b"e" * LAYOUT.page_bytes] * 8) == 8
+        idle_rss = peak_rss_bytes(d.pid)
+        with forked_bounds_peers(d.socket, [kinds], ATTACKER_UID):
+            fresh = fresh_pings(d.socket, 200)
+            lookups = []
+            for _ in range(40):
+                t0 = time.perf_counter()
+                assert engine.call(Op.LOOKUP, keys=keys)["count"] == 8
+                lookups.append(time.perf_counter() - t0)
+            peak = peak_rss_bytes(d.pid)
+        assert max(fresh) < SLOW_S, f"{flood}: a new connection's ping took {max(fresh):.3f} s"
+        assert max(lookups) < SLOW_S, f"{flood}: a lookup took {max(lookups):.3f} s"
+        # the daemon's memory: at most what libzmq may hold for each flooding connection, and
+        # for the hello storm, sessions (each a few KB) up to max_sessions_per_uid
+        bound = (64 << 20) + connections * PER_CONNECTION_BYTES
+        assert peak - idle_rss < bound, f"{flood}: {(peak - idle_rss) >> 20} MiB more than idle"
+        assert engine.call(Op.PING)  # and the daemon serves on
+    finally:
+        engine.close()
