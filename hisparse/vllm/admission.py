@@ -18,11 +18,15 @@ not there to grow into. The rule here:
   held for every running request (``DaemonHostBlockPool.admission_view``);
   else vLLM keeps it waiting (back-pressure) and the pool asks the daemon
   for the shortfall (``ensure_free``).
-- **A floor.** While it runs requests, an engine keeps at least one
-  full-length request's pages (``max_model_len`` / block size), its own
-  blocks in use included, as vLLM's private pool guarantees: once it has
-  them, a long request never waits on other engines. An engine with nothing
-  running keeps no floor, so engines that wait never hold pages hostage.
+- **A floor.** An engine keeps at least one full-length request's pages
+  (``max_model_len`` / block size), its own blocks in use included, as
+  vLLM's private pool guarantees: once it has them, a long request never
+  waits on other engines. It keeps them with nothing running too, idle
+  included (the idle release trims the stock down to the floor, not to
+  zero), so an engine that leaves the tier (``region_guard``) still has a
+  full-length request's pages to serve with. The price: N idle engines hold
+  N floors, and where the region is smaller than the engines' floors
+  together, the engines that got none wait for pages the others keep.
 
 Preemption stays vLLM's last resort: only what the daemon takes back (a
 restart loses the stock) can make a running request short.
@@ -64,9 +68,8 @@ class Growth:
         return sum(max(0, final - self.held_pages(r)) for r, final in list(self.final_pages.items()))
 
     def wanted_pages(self) -> int:
-        """Stock to keep: the running requests' growth, at least the floor (0 when none runs)."""
-        if not self.final_pages:
-            return 0
+        """Stock to keep: the running requests' growth, at least the floor less their blocks
+        in use (the whole floor when none runs)."""
         in_use = sum(self.held_pages(r) for r in list(self.final_pages))
         return max(self.growth_pages(), self.floor_pages - in_use)
 

@@ -18,8 +18,8 @@ while the daemon ``answering``:
 
 Idle engines: vLLM stops stepping an engine without requests, so the pool
 would never flush again. When no step has come for ``IDLE_RELEASE_S`` the
-courier calls the pool's ``on_idle`` (giving back its stock and sending its
-queued publishes and unpins), every ``IDLE_RELEASE_S`` while it answers that
+courier calls the pool's ``on_idle`` (trimming its stock down to the
+engine's floor and sending its queued publishes and unpins), every ``IDLE_RELEASE_S`` while it answers that
 something is still queued (an unpin waits one batch), and again after any
 later step.
 """

@@ -35,7 +35,8 @@ call is made on vLLM's scheduler thread: the ``courier.Courier`` thread
 makes them, and the scheduler waits for an answer only within a step's
 budget while the daemon answers (``courier``); everything else is local.
 Every method runs under ``_lock``, since the courier gives back an idle
-engine's stock and queued unpins when vLLM has stopped stepping it.
+engine's stock beyond its floor and its queued unpins when vLLM has stopped
+stepping it.
 
 A page this engine does not hold (reserved or pinned) is never in a block
 table it hands out: remote pages are pinned *before* a lookup may return
@@ -266,13 +267,12 @@ class DaemonHostBlockPool(RegionBinding, LookupPins, StepBatches, SharedEventQue
             self._maybe_evict_cached_block(block)
 
     def _stock_target(self, *, idle: bool = False) -> int:
-        """Stock to keep: the growth admitted requests still need (and the engine's floor),
-        an admission's shortfall while requests run, and the spare ``step_blocks``; when idle,
-        what running requests need and nothing more."""
-        if self.growth is None or not self.growth.running():
-            return 0 if idle else self.step_blocks
-        wanted = max(self.growth.wanted_pages(), self._asked)
-        return wanted if idle else wanted + self.step_blocks
+        """Stock to keep: the growth admitted requests still need and the engine's floor
+        (``admission.Growth.wanted_pages``: kept with nothing running too, so an engine that
+        leaves the tier can still serve a full-length request), an admission's shortfall and
+        the spare ``step_blocks``; when idle, the growth and the floor and nothing more."""
+        wanted = 0 if self.growth is None else self.growth.wanted_pages()
+        return wanted if idle else max(wanted, self._asked) + self.step_blocks
 
     # -- publication --
 
@@ -323,7 +323,8 @@ class DaemonHostBlockPool(RegionBinding, LookupPins, StepBatches, SharedEventQue
 
     def _on_idle(self) -> bool:
         """On the courier thread, no step for a while (vLLM does not step an idle engine): give
-        back the stock running requests do not need, send queued publishes and unpins. True
+        back the stock beyond the floor and running requests' growth, send queued publishes and
+        unpins. Never once the pool left the tier: its pages are all it has to serve with. True
         while something is still queued (an unpin waits one batch): the courier calls again."""
         with self._lock:
             self._collect()

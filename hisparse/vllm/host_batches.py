@@ -160,7 +160,7 @@ class StepBatches:
     # from region_guard.RegionBinding: _addresses_worker_region(session), _region_moved()
 
     def _build_batch(self, *, refill: bool, mirror: bool, idle: bool = False) -> Batch:
-        """``idle``: no step came for a while; the stock keeps only what running requests need.
+        """``idle``: no step came for a while; the stock keeps only the floor and running requests' growth.
         Unpins wait one batch either way: a worker step may still read a page freed in the last."""
         batch = Batch(placeholders={})
         self._take_publishes(batch)
