@@ -153,6 +153,7 @@ class DaemonHostBlockPool(RegionBinding, LookupPins, StepBatches, SharedEventQue
     def get_num_free_blocks(self) -> int:
         with self._lock:
             self._collect()
+            self._drop_lost_stock()
             credit, held_back = self._view
             return max(0, len(self._stock) + credit - held_back)
 
@@ -167,6 +168,7 @@ class DaemonHostBlockPool(RegionBinding, LookupPins, StepBatches, SharedEventQue
         waiting for the answer within the step's budget."""
         with self._lock:
             self._collect()
+            self._drop_lost_stock()
             self._asked = max(self._asked, num_blocks)
             short = num_blocks - len(self._stock)
         if short > 0 and not self._refused:  # refused once this step: ask again next step
@@ -269,10 +271,17 @@ class DaemonHostBlockPool(RegionBinding, LookupPins, StepBatches, SharedEventQue
     def _stock_target(self, *, idle: bool = False) -> int:
         """Stock to keep: the growth admitted requests still need and the engine's floor
         (``admission.Growth.wanted_pages``: kept with nothing running too, so an engine that
-        leaves the tier can still serve a full-length request), an admission's shortfall and
-        the spare ``step_blocks``; when idle, the growth and the floor and nothing more."""
-        wanted = 0 if self.growth is None else self.growth.wanted_pages()
-        return wanted if idle else max(wanted, self._asked) + self.step_blocks
+        leaves the tier can still serve a full-length request), an admission's shortfall while
+        requests run, and the spare ``step_blocks``; when idle, the growth and the floor and
+        nothing more. Without growth accounting (no floor known): the spare alone."""
+        if self.growth is None:
+            return 0 if idle else self.step_blocks
+        wanted = self.growth.wanted_pages()
+        if idle:
+            return wanted
+        if self.growth.running():
+            wanted = max(wanted, self._asked)
+        return wanted + self.step_blocks
 
     # -- publication --
 

@@ -285,6 +285,13 @@ class StepBatches:
             keys.append(PLACEHOLDER_TAG + self._nonce + self._next_placeholder.to_bytes(8, "little"))
         return keys
 
+    def _drop_lost_stock(self) -> None:
+        """Before an admission uses the stock: the client re-attached (a daemon restart), so
+        that stock is gone. Local. A stock kept for the floor may outlive its session: a
+        block handed out from it could never be published (its session's fence holds it)."""
+        if self._stock and not self._ops.session_is_live(self._reserved[self._stock[-1]][0]):
+            self._prune_lost_sessions()
+
     def _prune_lost_sessions(self) -> None:
         """Holdings of a session the daemon no longer knows (restart, expiry) are gone. Local."""
         if self._region_moved():
