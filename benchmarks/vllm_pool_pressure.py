@@ -32,6 +32,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# every share at 1: one uid, one session may hold the whole region (tests/conftest.py no longer has it)
+QUOTAS_LIFTED = ("--session-pin-share", "1", "--session-reserve-share", "1",
+                 "--peer-pin-share", "1", "--peer-reserve-share", "1")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -49,11 +53,10 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from tests.conftest import QUOTAS_OFF
     from tests.vllm_hisparse.pressure import Workload, close_all, drive, make_engines, scratch_daemon
     from tests.vllm_hisparse.real_engine import write_model_dir
 
-    quotas = list(QUOTAS_OFF) if args.lift_quotas else []
+    quotas = list(QUOTAS_LIFTED) if args.lift_quotas else []
     with scratch_daemon("hisparse-pool-pressure-", *quotas) as (daemon, work):
         model_dir = write_model_dir(os.path.join(work, "model"))
         print(f"{args.requests} requests in all, {args.prompt_blocks} -> {args.final_blocks} blocks of 64 "

@@ -332,9 +332,9 @@ class DaemonHostBlockPool(RegionBinding, LookupPins, StepBatches, SharedEventQue
 
     def _on_idle(self) -> bool:
         """On the courier thread, no step for a while (vLLM does not step an idle engine): give
-        back the stock beyond the floor and running requests' growth, send queued publishes and
-        unpins. Never once the pool left the tier: its pages are all it has to serve with. True
-        while something is still queued (an unpin waits one batch): the courier calls again."""
+        back the stock beyond the floor and running requests' growth (or reserve up to it, once),
+        send queued publishes and unpins. Never once the pool left the tier. True while
+        something is queued (an unpin waits one batch) or over the floor: the courier calls again."""
         with self._lock:
             self._collect()
             if self.tier_left is not None:
@@ -342,14 +342,15 @@ class DaemonHostBlockPool(RegionBinding, LookupPins, StepBatches, SharedEventQue
             if self._batch_job is not None:
                 return True
             self._drop_lookup_pins()
-            batch = self._build_batch(refill=False, mirror=False, idle=True)
+            batch = self._build_batch(refill=True, mirror=False, idle=True)
         try:
             batch.run(self._ops)
         except HisparseError as exc:
             log.info("hisparse host pool: idle release not answered (%s); sent again later", exc)
         with self._lock:
             self._apply_batch(batch)
-            return bool(self._unpins_now or self._unpins_next or self._to_publish or self._aborts)
+            over = len(self._stock) > self._stock_target(idle=True)  # a refill past page 0: trim it
+            return bool(over or self._unpins_now or self._unpins_next or self._to_publish or self._aborts)
 
     def _submit(self, fn: Callable[[], Any], apply: Callable[[Job], Any]) -> Job:
         job = self._courier.submit(fn)

@@ -160,14 +160,16 @@ class StepBatches:
     # from region_guard.RegionBinding: _addresses_worker_region(session), _region_moved()
 
     def _build_batch(self, *, refill: bool, mirror: bool, idle: bool = False) -> Batch:
-        """``idle``: no step came for a while; the stock keeps only the floor and running requests' growth.
+        """``idle``: no step came for a while; the stock is brought to the floor and running requests'
+        growth (a request's last step left it short), no more: an engine that leaves the tier later
+        (``region_guard``) can still serve a full-length request.
         Unpins wait one batch either way: a worker step may still read a page freed in the last."""
         batch = Batch(placeholders={})
         self._take_publishes(batch)
         ready, self._unpins_now, self._unpins_next = self._unpins_now, self._unpins_next, []
         batch.unpins = _by_session(ready)
         batch.aborts, self._aborts = self._aborts + self._take_surplus(idle=idle), []
-        target = self._stock_target()
+        target = self._stock_target(idle=idle)
         if refill and len(self._stock) < target:
             batch.reserve = Reserve(self._placeholders(target - len(self._stock)))
         batch.mirror = self._mirror if mirror else None

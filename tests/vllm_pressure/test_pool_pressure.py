@@ -55,15 +55,15 @@ def test_idle_engines_hold_at_most_their_floor_and_send_their_unpins(hisparsed, 
     assert all(e.pool.growth.floor_pages == floor_pages for e in engines)
     # vLLM does not step an engine without requests: nothing flushes any more, and
     # within a bounded time (a few times IDLE_RELEASE_S) each pool sends its queued
-    # unpins and trims its stock down to its floor (kept so that an engine that leaves
-    # the tier can still serve: region_guard); page 0 stays withheld by the engine that
-    # drew it (one page). Before, idle engines kept their whole stock and queued unpins.
+    # unpins and brings its stock to its floor, no more (kept so that an engine that
+    # leaves the tier can still serve: region_guard); page 0 stays withheld by the engine
+    # that drew it (one page). Before, idle engines kept their whole stock and queued unpins.
     def released() -> bool:
         reserved, pinned = namespace_holds(engines[0])
         return (pinned == 0 and reserved <= len(engines) * floor_pages + 1
-                and all(e.pool.held_pages <= floor_pages for e in engines))
+                and all(e.pool.held_pages == floor_pages for e in engines))
 
-    wait_for(released, "idle engines holding at most their floor and page 0",
+    wait_for(released, "idle engines holding their floor, page 0 and nothing more",
              timeout_s=10 * IDLE_RELEASE_S + 10)
 
 
