@@ -4,7 +4,7 @@ Engines (``tests/vllm_hisparse/real_engine.py``: vLLM's ``Scheduler`` building
 our ``HiSparseConnector``; a stand-in worker completes every spill) draw on
 one 40-page region. Every request is a 3-block prompt that decodes to 5
 blocks, so eight of them need more than the region (and the daemon's default
-quotas give one uid half of it). What vLLM's private pool guarantees must
+quotas give each engine half of it while another engine asks and gets fewer). What vLLM's private pool guarantees must
 hold here too: every request finishes, nothing raises out of ``schedule()``,
 and, with growth held for running requests (``hisparse.vllm.admission``), no
 request is preempted; once the engines go idle they give back all but their
