@@ -26,7 +26,7 @@ from hisparse.vllm.cpu.demo import prompt_ids
 from hisparse.vllm.cpu.engines import EngineProcess
 from hisparse.vllm.cpu.model import TinyModel
 from hisparse.vllm.cpu.run import EngineJob
-from tests.conftest import QUOTAS_OFF, Daemon, _shm_base
+from tests.conftest import Daemon, _shm_base
 
 if not overlay.available():
     pytest.skip(overlay.why_unavailable(), allow_module_level=True)
@@ -37,7 +37,7 @@ PREFIX_TOKENS = 2048
 
 @pytest.fixture(scope="module")
 def module_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """One real hisparsed for a module's engines (1 GiB, quotas lifted: one uid's engines fill it)."""
+    """One real hisparsed for a module's engines (1 GiB, the shipped shares: one uid's engines may fill it)."""
     import shutil
     import tempfile
 
@@ -45,7 +45,7 @@ def module_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     shm_dir = tempfile.mkdtemp(prefix="hisparse-test-", dir=_shm_base())
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("NOTIFY_SOCKET", None)
-    daemon = Daemon(str(tmp / "hisparsed.sock"), shm_dir, ["--capacity", "1GiB", *QUOTAS_OFF], env,
+    daemon = Daemon(str(tmp / "hisparsed.sock"), shm_dir, ["--capacity", "1GiB"], env,
                     str(tmp / "hisparsed.log"))
     daemon.start()
     yield daemon
