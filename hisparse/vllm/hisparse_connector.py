@@ -18,8 +18,10 @@ host blocks from one namespace (``host_region.derive_namespace``) through
 the daemon. Scheduler side: ``bind_kv_cache_manager`` lets vLLM build its
 coordinator, then swaps the host group's ``BlockPool`` for a
 ``DaemonHostBlockPool`` and has every prefix lookup pin the other engines'
-pages it may hit first; ``build_connector_meta`` flushes the step's daemon
-work (one batch) and names the fence files the step's pages need. Worker
+pages it may hit first, and admission hold each running request's growth
+(``admission``); ``build_connector_meta`` flushes the step's daemon work
+(one batch, sent by the pool's own thread: ``courier``) and names the fence
+files the step's pages need. Worker
 side: vLLM's host pool is a ``RegionHostPool`` over the region, so vLLM's
 HiSparse kernels and copies read and write the node's pages. It is made at
 vLLM's first request for the pool by the hook that ``hisparse.vllm.plugin``
@@ -50,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import HiSparseConnectorMetadata
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
 
+from hisparse.vllm.admission import account_for_growth, reserve_before_admission
 from hisparse.vllm.config import AdapterConfig
 from hisparse.vllm.fences import WorkerFences
 from hisparse.vllm.host_region import HostGeometry
@@ -65,8 +68,8 @@ from hisparse.vllm.worker_pool import (
 log = logging.getLogger(__name__)
 
 # worker_pool's attach_host_region and region_info: public here too (re-exported on purpose)
-__all__ = ["HiSparseConnector", "HiSparsePoolMetadata", "attach_host_region", "install_daemon_pool",
-           "pin_before_lookups", "region_info", "reserve_before_admission"]
+__all__ = ["HiSparseConnector", "HiSparsePoolMetadata", "account_for_growth", "attach_host_region",
+           "install_daemon_pool", "pin_before_lookups", "region_info", "reserve_before_admission"]
 
 
 @dataclass(frozen=True)
@@ -111,14 +114,14 @@ class HiSparseConnector(VllmHiSparseConnector):
         assert self.connector_scheduler is not None and self.connector_scheduler.coordinator is not None
         manager = self.connector_scheduler.coordinator.host_manager
         assert manager is not None
+        # No spare stock beyond what admitted requests hold for their growth (admission
+        # module): under pressure a spare page idle here is a page another engine waits for.
         self.host_pool = install_daemon_pool(manager, self.namespace, self.geometry, self.settings,
-                                             step_blocks=self._step_blocks(manager.block_size))
+                                             step_blocks=0)
         pin_before_lookups(kv_cache_manager.coordinator, manager, self.host_pool)
         reserve_before_admission(manager, self.host_pool)
-
-    def _step_blocks(self, block_size: int) -> int:
-        sched = self._vllm_config.scheduler_config
-        return -(-int(sched.max_num_batched_tokens) // block_size) + int(sched.max_num_seqs)
+        account_for_growth(kv_cache_manager, manager, self.host_pool,
+                           max_model_len=int(self._vllm_config.model_config.max_model_len))
 
     def get_handshake_metadata(self) -> RegionHandshake | None:
         key = getattr(self.worker_pool, "region_key", None)
@@ -202,22 +205,3 @@ def pin_before_lookups(kv_coordinator: Any, manager: Any, pool: Any) -> None:
         return original(block_hashes, max_cache_hit_length)
 
     kv_coordinator.find_longest_cache_hit = find_longest_cache_hit
-
-
-def reserve_before_admission(manager: Any, pool: Any) -> None:
-    """Have the host group's admission check reserve what the allocation needs beyond the stock.
-
-    vLLM compares the blocks a request needs with ``get_num_free_blocks``;
-    the pool's stock covers one step of chunked prefill, and this covers a
-    larger allocation (a whole prompt, an import) with one reserve request.
-    """
-    original = manager.get_num_blocks_to_allocate
-    block_size = manager.block_size
-
-    def get_num_blocks_to_allocate(request_id: str, num_tokens: int, new_computed_blocks: Any,
-                                   *args: Any, **kwargs: Any) -> int:
-        held = len(manager.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
-        pool.ensure_free(-(-num_tokens // block_size) - held)
-        return original(request_id, num_tokens, new_computed_blocks, *args, **kwargs)
-
-    manager.get_num_blocks_to_allocate = get_num_blocks_to_allocate

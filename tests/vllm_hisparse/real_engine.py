@@ -19,6 +19,8 @@ them complete in a ``HiSparseConnectorWorkerMetadata``, as the worker does.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,8 @@ from typing import Any
 import torch
 
 from tests.vllm_hisparse import platform
+
+atexit.register(gc.unfreeze)  # what the engines froze is freed at exit, as vLLM's shutdown does
 
 BLOCK_TOKENS = 64
 MLA_HEAD = 48  # kv_lora_rank 32 + rope 16: 96-byte bf16 rows
@@ -62,8 +66,11 @@ def layer_specs() -> dict[str, Any]:
 
 
 def make_configs(socket: str, model_dir: str, *, host_pool_gib: float = 0.01, extra: dict[str, Any] | None = None,
-                 with_indexer: bool = False, extensible: bool = False) -> tuple[Any, Any]:
-    """vLLM's ``VllmConfig`` for the tiny model with our connector(s), and the worker's ``KVCacheConfig``."""
+                 with_indexer: bool = False, extensible: bool = False, max_model_len: int = 2048,
+                 own_pool: bool = False) -> tuple[Any, Any]:
+    """vLLM's ``VllmConfig`` for the tiny model with our connector(s), and the worker's ``KVCacheConfig``.
+
+    ``own_pool``: vLLM's own ``HiSparseConnector`` and its private host pool instead of ours."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     platform.install()
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -78,6 +85,9 @@ def make_configs(socket: str, model_dir: str, *, host_pool_gib: float = 0.01, ex
                 "kv_connector_module_path": "hisparse.vllm.hisparse_connector",
                 "kv_connector_extra_config": {"host_pool_gib": host_pool_gib, "socket": socket,
                                               **(extra or {})}}
+    if own_pool:
+        hisparse = {"kv_connector": "HiSparseConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"host_pool_gib": host_pool_gib}}
     if with_indexer:
         indexer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                    "kv_connector_extra_config": {"spec_name": "HiSparseOffloadingSpec",
@@ -89,12 +99,12 @@ def make_configs(socket: str, model_dir: str, *, host_pool_gib: float = 0.01, ex
     else:
         transfer = KVTransferConfig(**hisparse)
     vllm_config = VllmConfig(
-        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=2048),
+        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_model_len),
         kv_transfer_config=transfer, device_config=DeviceConfig(device="cpu"),
         cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True,
                                  enable_extensible_kv_cache=False),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8,
-                                         max_model_len=2048, is_encoder_decoder=False))
+                                         max_model_len=max_model_len, is_encoder_decoder=False))
     # CUDA's default; the CPU platform refuses it at validation, the worker code runs it
     vllm_config.cache_config.enable_extensible_kv_cache = extensible
     specs = layer_specs()
@@ -117,6 +127,8 @@ class Engine:
     # MultiConnector[our HiSparseConnector, OffloadingConnector(HiSparseOffloadingSpec)]:
     # the indexer group's blocks through hisparsed too (docs/vllm-hisparse.md)
     with_indexer: bool = False
+    max_model_len: int = 2048
+    own_pool: bool = False  # vLLM's own HiSparseConnector with its private host pool (a baseline)
 
     def __post_init__(self) -> None:
         from vllm.utils.hashing import sha256
@@ -125,7 +137,8 @@ class Engine:
         from vllm.v1.structured_output import StructuredOutputManager
 
         vllm_config, worker_config = make_configs(self.socket, self.model_dir, host_pool_gib=self.host_pool_gib,
-                                                  extra=self.extra, with_indexer=self.with_indexer)
+                                                  extra=self.extra, with_indexer=self.with_indexer,
+                                                  max_model_len=self.max_model_len, own_pool=self.own_pool)
         self.kv_cache_config = generate_scheduler_kv_cache_config([worker_config])
         vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
         self.vllm_config = vllm_config
@@ -133,10 +146,15 @@ class Engine:
                                    block_size=BLOCK_TOKENS)
         self.multi = self.scheduler.connector if self.with_indexer else None
         self.connector = self.multi._connectors[0] if self.multi is not None else self.scheduler.connector
-        self.pool = self.connector.host_pool
+        self.pool = getattr(self.connector, "host_pool", None)  # None: vLLM's own pool
         self.coordinator = self.connector.connector_scheduler.coordinator
         self.hasher = get_request_block_hasher(BLOCK_TOKENS, sha256)
         self.fence_paths: tuple[str, ...] = ()
+        # As vLLM's EngineCore does once its scheduler is built: the start-up heap leaves the
+        # collector, or a full collection pauses a step 0.3-1 s (tests/vllm/harness.py too).
+        from vllm.utils.gc_utils import freeze_gc_heap
+
+        freeze_gc_heap()
 
     def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> Any:
         from vllm.sampling_params import SamplingParams
@@ -158,7 +176,7 @@ class Engine:
         meta = out.kv_connector_metadata
         metas = meta.metadata if self.multi is not None else (meta,)
         hs = metas[0]
-        self.fence_paths = hs.fence_paths
+        self.fence_paths = getattr(hs, "fence_paths", ())  # vLLM's own connector: none
         transfers = hs.command.page_transfers if hs.command is not None else []
         for transfer in transfers:
             self._spill(transfer)
@@ -200,6 +218,9 @@ class Engine:
     def _spill(self, transfer: Any) -> None:
         """The worker's device-to-host copy of one page, into the host block vLLM chose."""
         from tests.vllm_hisparse.engine import token_bytes
+
+        if self.pool is None:
+            return  # vLLM's own pool: no region to write
 
         request_id, page_index = self.coordinator.pending_spills[transfer.transfer_id].page
         request = self.scheduler.requests[request_id]

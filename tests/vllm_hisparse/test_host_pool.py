@@ -17,6 +17,7 @@ import pytest
 from hisparse.vllm.host_region import GeometryMismatch
 from hisparse.vllm.versions import TESTED_VLLM_VERSIONS, UnsupportedVllmVersion, check_vllm_version
 from tests.vllm_hisparse.engine import SchedulerSide
+from tests.waiting import wait_for
 
 PROMPT = list(range(100, 124))  # 24 tokens: 6 blocks; a hit stops at 20 (the last token is recomputed)
 
@@ -73,8 +74,8 @@ def test_daemon_outage_and_restart_mid_run_fail_no_request(daemon_factory):
         # the daemon comes back (a new run: every session is gone); nothing fails,
         # blocks in use stay in use, new requests get fresh pages
         daemon.start()
+        wait_for(lambda: side.pool.answering, "the pool's courier hears from the daemon again")
         for _ in range(3):
-            side.pool._down_until = float("-inf")  # skip the back-off instead of sleeping it out
             side.step()
         assert side.read_ok(running, 24)
         side.finish(running)
@@ -125,14 +126,17 @@ def test_a_lost_sessions_pages_stay_fenced_while_the_engine_or_its_worker_uses_t
         a.write(running)
         a.step()
         in_use = set(a.host_blocks(running))
+        old_fences = {a.pool._ops.client.session.fence.path}
         # the daemon restarts: A's session and its reservations are gone, but the
         # pages A's running request uses are fenced while A (and its worker) hold the fence
         daemon.kill()
         daemon.start()
         for engine in (a, b):
-            engine.pool._down_until = float("-inf")
+            wait_for(lambda: engine.pool.answering, "the pool's courier hears from the daemon again")
             engine.step()
-        old_fences = set(a.pool.fence_paths())
+        # the lost session's fence (the new session's may be there too, once a reserve on it
+        # has been answered: the pool's thread sends it, the answer may come a step later)
+        assert old_fences <= set(a.pool.fence_paths())
         # B takes everything the daemon will give, for well past the daemon's
         # reaper period and quarantine: never a page A's request uses
         never_gets(b, in_use)

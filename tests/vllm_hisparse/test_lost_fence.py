@@ -49,7 +49,10 @@ def test_pins_of_a_session_whose_fence_was_let_go_are_a_miss(daemon_factory):
         _restart_right_after(b, daemon, "pin_each")
         rb = b.add("rb", PROMPT)
         hit = b.admit(rb)
-        assert hit == 0, "pages of a session whose fence was let go went into a block table"
+        # the restart outlasts the step's budget: not admitted yet (None), or admitted with no hit
+        assert hit in (0, None), "pages of a session whose fence was let go went into a block table"
+        wait_for(lambda: b.pool.answering, "the pool's courier hears from the daemon again")
+        b.step()  # the late pin answer is applied: its session's fence is gone, so no lookup pin
         assert b.pool.counters["lookup_pins"] == 0
     finally:
         a.close()
@@ -63,7 +66,6 @@ def test_reservations_of_a_session_whose_fence_was_let_go_never_join_the_stock(d
         _restart_right_after(b, daemon, "reserve")
         assert b.pool._refill(8) == 0
         assert b.pool._stock == []
-        b.pool._down_until = float("-inf")
         wait_for(lambda: b.pool._refill(8) > 0, "a refill on the new session")
         assert all(s is b.pool._ops.client.session for s, _ in b.pool._reserved.values())
     finally:
