@@ -32,7 +32,7 @@ def runs(engine_procs: Any, tiny_model: str, other_model: str, module_daemon: An
     engine_procs.start("other", EngineJob(model=other_model, prompts=[prompt_ids(other_model)], **tier))
     engine_procs.start("bare", EngineJob(model=tiny_model, prompts=[ids]), env=no_plugins)
     out = {name: engine_procs.result(name) for name in ("A", "other", "bare")}
-    wait_committed(daemon.socket, PREFIX_TOKENS // 128, model="tiny-llama")  # A's, before B looks
+    assert wait_committed(daemon.socket, PREFIX_TOKENS // 128, model="tiny-llama"), "A skipped stores"  # before B looks
     engine_procs.start("B", EngineJob(model=tiny_model, prompts=[ids], **tier))
     engine_procs.start("plugin", EngineJob(model=tiny_model, prompts=[ids]))
     out.update({name: engine_procs.result(name) for name in ("B", "plugin")})

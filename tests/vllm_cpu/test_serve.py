@@ -46,22 +46,24 @@ def _conversation(seed: int) -> list[dict[str, str]]:
 
 
 def _chat(servers: list[Server], messages: list[dict[str, str]], turns: int, first: int = 0,
-          daemon: Any = None) -> list[tuple[int, int]]:
-    """``turns`` turns alternating between the servers: (prompt tokens, cached) per turn.
+          daemon: Any = None) -> list[tuple[int, int, bool]]:
+    """``turns`` turns alternating between the servers: (prompt tokens, cached, stored) per turn.
 
     With ``daemon``, each turn's new prompt blocks are committed before the next turn goes
     out: a store is asynchronous (it lands after the reply), and a router would not wait for
-    it, but a test of what the next engine finds must."""
-    seen: list[tuple[int, int]] = []
+    it, but a test of what the next engine finds must. ``stored`` is False when some of them
+    were skipped (``wait_committed``): the next turn's hits are then not judged."""
+    seen: list[tuple[int, int, bool]] = []
     for t in range(turns):
         before = committed_pages(daemon.socket) if daemon is not None else 0
         messages.append({"role": "user", "content": f"turn {t}: " + sample_texts(1, seed=100 + t)[0]})
         answer, prompt, cached = servers[(first + t) % 2].turn(messages)
         messages.append({"role": "assistant", "content": answer})
+        stored = True
         if daemon is not None:  # the blocks this turn added to the conversation's chain
             new = (_whole_blocks(prompt) - (_whole_blocks(seen[-1][0]) if seen else 0)) // BLOCK_TOKENS
-            wait_committed(daemon.socket, before + new)
-        seen.append((prompt, cached))
+            stored = wait_committed(daemon.socket, before + new)
+        seen.append((prompt, cached, stored and (not seen or seen[-1][2])))
     return seen
 
 
@@ -79,7 +81,9 @@ def _schedulers_polling(socket: str) -> int:
 def test_later_turns_of_a_chat_hit_the_tier_on_the_other_server(servers: list[Server], module_daemon: Any) -> None:
     seen = _chat(servers, _conversation(seed=3), turns=4, daemon=module_daemon)
     assert seen[0][1] == 0  # the first turn: nothing anywhere
-    for (prev_prompt, _), (_, cached) in zip(seen, seen[1:]):
+    judged = [(prev, cur) for prev, cur in zip(seen, seen[1:]) if prev[2]]
+    assert judged, f"every turn's stores were skipped: {seen}"
+    for (prev_prompt, _, _), (_, cached, _) in judged:
         # This server never ran the previous turn: at least that turn's whole prompt blocks
         # (stored by the other server) came from hisparsed.
         assert cached >= _whole_blocks(prev_prompt) - BLOCK_TOKENS, seen
@@ -92,7 +96,7 @@ def test_daemon_killed_and_restarted_mid_run(servers: list[Server], module_daemo
     module_daemon.kill()
     # Away: every request is answered; its lookups miss and its stores are skipped.
     away = _chat(servers, _conversation(seed=6), turns=2, first=0)
-    assert [cached for _, cached in away][0] == 0
+    assert away[0][1] == 0
     for server in servers:
         assert server.proc.poll() is None  # a 0.32 engine keeps running (no load was in flight)
     module_daemon.start()  # the same socket and directories: it adopts every committed page
@@ -102,4 +106,7 @@ def test_daemon_killed_and_restarted_mid_run(servers: list[Server], module_daemo
         time.sleep(0.2)
     # The second turn of the stored conversation, on the server that never saw it: from the tier.
     again = _chat(servers, before, turns=1, first=1)
-    assert again[0][1] >= _whole_blocks(first[0][0]) - BLOCK_TOKENS, (first, again)
+    if first[0][2]:  # every block of the first turn was stored before the kill
+        assert again[0][1] >= _whole_blocks(first[0][0]) - BLOCK_TOKENS, (first, again)
+    else:  # some were skipped (a busy box): the chain's stored head is still found
+        assert again[0][1] > 0, (first, again)
