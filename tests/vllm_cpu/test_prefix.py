@@ -28,14 +28,19 @@ def runs(engine_procs: Any, tiny_model: str, other_model: str, module_daemon: An
     ids = prompt_ids(tiny_model)
     tier = {"socket": daemon.socket}
     no_plugins = overlay.engine_env() | {"VLLM_PLUGINS": ""}  # loads no general plugin at all
+    # A alone, then B alone: an engine skips stores (and its lookups miss) while the daemon
+    # leaves a round unanswered 100 ms (docs/vllm.md), which three engines starting at once on
+    # a 2-core box can cause; what A stores and B finds is what this module judges.
     engine_procs.start("A", EngineJob(model=tiny_model, prompts=[ids], **tier))
-    engine_procs.start("other", EngineJob(model=other_model, prompts=[prompt_ids(other_model)], **tier))
-    engine_procs.start("bare", EngineJob(model=tiny_model, prompts=[ids]), env=no_plugins)
-    out = {name: engine_procs.result(name) for name in ("A", "other", "bare")}
+    out = {"A": engine_procs.result("A")}
     assert wait_committed(daemon.socket, PREFIX_TOKENS // 128, model="tiny-llama"), "A skipped stores"  # before B looks
     engine_procs.start("B", EngineJob(model=tiny_model, prompts=[ids], **tier))
+    out["B"] = engine_procs.result("B")
+    engine_procs.start("other", EngineJob(model=other_model, prompts=[prompt_ids(other_model)], **tier))
+    engine_procs.start("bare", EngineJob(model=tiny_model, prompts=[ids]), env=no_plugins)
     engine_procs.start("plugin", EngineJob(model=tiny_model, prompts=[ids]))
-    out.update({name: engine_procs.result(name) for name in ("B", "plugin")})
+    out.update({name: engine_procs.result(name) for name in ("other", "bare", "plugin")})
+    out["other_stored"] = wait_committed(daemon.socket, 1, model="other-llama")
     out["stats"] = stats(daemon.socket)
     out["B_log"] = engine_procs.log("B")
     return out
@@ -72,7 +77,9 @@ def test_two_models_on_one_daemon_never_share(runs: dict[str, Any]) -> None:
     namespaces = runs["stats"]["namespaces"]
     assert len(namespaces) == 2 and all(n.startswith("vllm/") for n in namespaces), sorted(namespaces)
     pages = {name: ns["committed_pages"] for name, ns in namespaces.items()}
-    assert all(p > 0 for p in pages.values()), pages  # each model stored its own prompt
+    # each model stored its own prompt (the other model's stores, beside two engines, may have
+    # been skipped: then its namespace is there and empty, and still shares nothing)
+    assert all(p > 0 for name, p in pages.items() if "tiny-llama" in name or runs["other_stored"]), pages
 
 
 def test_hisparsectl_counts_the_engines_hits(runs: dict[str, Any]) -> None:
