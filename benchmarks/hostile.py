@@ -217,11 +217,14 @@ def bounds_attacks(connections: list[int]) -> list[tuple[str, list[list[str]]]]:
     return attacks
 
 
-def fresh_pings(socket_path: str, count: int, timeout_s: float = 5.0) -> list[float]:
+def fresh_pings(socket_path: str, count: int, timeout_s: float = 5.0, keepalive=None) -> list[float]:
     """Seconds to a ping's reply on a new connection each (``hisparsectl ping``'s path): a
-    reply lost counts as ``timeout_s``."""
+    reply lost counts as ``timeout_s``. ``keepalive()`` runs between two (a client's lease:
+    lost replies may take longer than it)."""
     out = []
     for rid in range(1, count + 1):
+        if keepalive is not None:
+            keepalive()
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         t0 = time.perf_counter()
@@ -243,7 +246,7 @@ def run_bounds_attack(name: str, kinds: list[list[str]], seconds: float, uid: in
         reset_peak_rss(d.pid)
         with (hostile_peers(d.socket, kinds, BOUNDS_PEER) if uid is None
               else forked_bounds_peers(d.socket, kinds, uid)):
-            fresh = fresh_pings(d.socket, 50)
+            fresh = fresh_pings(d.socket, 50, keepalive=lambda: wb.call(Op.HEARTBEAT, session=wb.session))
             pings, lookups = wb.round_trips(seconds)
             rss = peak_rss_bytes(d.pid)
             t0 = time.monotonic()
@@ -253,7 +256,7 @@ def run_bounds_attack(name: str, kinds: list[list[str]], seconds: float, uid: in
         wb.close()
         print(f"{name:<34} {1e3 * idle[0]:>6.2f} {1e3 * percentile(pings, 50):>8.2f} "
               f"{1e3 * idle[1]:>7.2f} {1e3 * percentile(pings, 99):>8.2f} {len(pings):>6d} "
-              f"{1e3 * percentile(fresh, 99):>8.2f} {1e3 * max(fresh):>8.2f} "
+              f"{1e3 * percentile(fresh, 99):>8.2f} {1e3 * max(fresh):>8.2f} {sum(f >= 5.0 for f in fresh):>4d} "
               f"{format_size(idle[2]):>10} {format_size(rss):>10} {stop_s:>6.2f}s exit {d.proc.returncode}")
 
 
@@ -291,7 +294,7 @@ def decode_table(reps: int) -> None:
 def bounds_main(seconds: float, connections: list[int], uid: int | None = None, only: str = "") -> None:
     who = "attackers as the probe's uid" if uid is None else f"attackers as uid {uid}"
     print(f"{'attack (' + who + ')':<34} {'ping p50 idle':>13} {'attack':>7} {'p99 idle':>8} "
-          f"{'attack':>7} {'pings':>6} {'new p99':>8} {'new max':>8} {'RSS idle':>10} {'peak':>10} "
+          f"{'attack':>7} {'pings':>6} {'new p99':>8} {'new max':>8} {'lost':>4} {'RSS idle':>10} {'peak':>10} "
           f"{'SIGTERM':>7}")
     for name, kinds in bounds_attacks(connections):
         if only in name:

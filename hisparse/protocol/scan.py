@@ -330,6 +330,8 @@ def scan_frame(frame: bytes) -> tuple[int | None, frozenset[str]]:
 
 
 LEADING_FIELDS = 4  # ``encode_request`` writes v, id, op first: the id is among these
+# What those fields may span: scalars of at most MAX_STR_BYTES (a string) each, and their names.
+LEADING_HEAD_BYTES = 32 << 10
 
 
 def leading_id(frame: bytes) -> int | None:
@@ -337,7 +339,9 @@ def leading_id(frame: bytes) -> int | None:
     is among the map's first ``LEADING_FIELDS`` fields with only scalars before it: a few
     bytes read, whatever the frame's size, so the refusal reaches the call that made it
     instead of leaving it to its timeout. None when it is not there, or the head is no
-    request map: such a frame's sender gets an unaddressed reply, as before."""
+    request map: such a frame's sender gets an unaddressed reply, as before. ``frame`` may be
+    any buffer (a frame refused unread is never copied whole): its head is read as bytes."""
+    frame = bytes(frame[:LEADING_HEAD_BYTES])
     w = _Walker(frame)
     try:
         shape = w.container(frame[w.need(1)])

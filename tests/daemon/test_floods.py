@@ -1,9 +1,12 @@
 """A flood costs only the flooder: another uid's ping on a new connection (``hisparsectl
 ping``'s path) and lookup on its own connection stay answered within tens of milliseconds,
-and the daemon's memory within its stated bound, while one uid floods.
+and the daemon's memory within its stated bound, while one uid floods; and a flooding
+process of an engine's own uid (one service user runs every engine) does not lock the
+uid's other processes out.
 
 The attackers are ``benchmarks/bounds_peer.py``'s, forked as a real other user
-(``tests.tenants``); the daemon runs on the shipped defaults.
+(``tests.tenants``) or run as a process of the test's own uid; the daemon runs on the
+shipped defaults.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import time
 
 import pytest
 
-from benchmarks.hostile import forked_bounds_peers, fresh_pings, peak_rss_bytes
+from benchmarks.hostile import BOUNDS_PEER, forked_bounds_peers, fresh_pings, hostile_peers, peak_rss_bytes
+from hisparse.daemon.policy.backoff import UID_PROCESSES, Backoffs
 from hisparse import KVLayout, protocol
 from hisparse.protocol import Op
 from tests.rawclient import RawClient, keys_for
@@ -62,3 +66,41 @@ def test_a_flood_of_one_uid_costs_another_uid_nothing(tenant_daemon, flood):
         assert engine.call(Op.PING)  # and the daemon serves on
     finally:
         engine.close()
+
+
+OWN_UID_FLOODS = {
+    "malformed frames from 4 connections": ["junk", "4"],
+    "48 connections of frames just under the limit": ["frames", "48", str(protocol.MAX_FRAME_BYTES)],
+}
+
+
+@pytest.mark.parametrize("flood", list(OWN_UID_FLOODS))
+def test_a_flooding_process_does_not_lock_out_its_uids_other_processes(hisparsed, flood):
+    """The backoff after refused large frames is the sending process's: another process of the
+    same uid (here the test) connects, pings and looks up throughout. A uid-wide backoff shed
+    every new connection of the uid for 1-2 s, again and again while the flood went on."""
+    engine = RawClient(hisparsed.socket)
+    try:
+        engine.hello("ns", LAYOUT, LAYOUT.page_bytes * 64)
+        keys = keys_for("engine", 8)
+        assert engine.store(keys, [b"e" * LAYOUT.page_bytes] * 8) == 8
+        with hostile_peers(hisparsed.socket, [OWN_UID_FLOODS[flood]], BOUNDS_PEER):
+            fresh = fresh_pings(hisparsed.socket, 60, timeout_s=2.0,
+                                keepalive=lambda: engine.call(Op.HEARTBEAT, session=engine.session))
+            for _ in range(20):
+                assert engine.call(Op.LOOKUP, keys=keys)["count"] == 8
+        assert max(fresh) < SLOW_S, f"{flood}: a new connection's ping took {max(fresh):.3f} s"
+    finally:
+        engine.close()
+
+
+def test_a_backoff_is_a_process_s_until_enough_of_its_uid_s_processes_back_off():
+    backoffs = Backoffs()
+    assert backoffs.start(1000, 10) == 1.0
+    assert backoffs.holds(1000, 10) and not backoffs.holds(1000, 11) and not backoffs.holds(1001, 10)
+    assert backoffs.start(1000, 10) == 2.0  # doubling while it keeps at it
+    for pid in range(11, 9 + UID_PROCESSES):
+        backoffs.start(1000, pid)
+    assert not backoffs.holds(1000, 99)  # UID_PROCESSES - 1 processes: the rest of the uid goes on
+    backoffs.start(1000, 9 + UID_PROCESSES)
+    assert backoffs.holds(1000, 99) and not backoffs.holds(1001, 99)  # a forking flooder: its uid

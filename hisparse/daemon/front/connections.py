@@ -38,8 +38,8 @@ import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
 from hisparse.daemon.front.door import DoorWatch
-from hisparse.daemon.front.shedding import Refusal, peer_credentials, shutdown_if_ours, socket_ino
-from hisparse.daemon.policy.limits import CAP_KEYS, FDS_PER_CONNECTION, Limits
+from hisparse.daemon.front.shedding import Refusal, own_fd, peer_credentials, shutdown_if_ours, socket_ino
+from hisparse.daemon.policy.limits import CAP_KEYS, FDS_PER_CONNECTION, LARGE_FRAME_BYTES, Limits
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +55,6 @@ MAX_REFUSALS_PER_S = 64
 STORM_CLOSE_S = 1.0
 LOG_INTERVAL_S = 5.0
 MAX_EVENTS_PER_READ = 256  # monitor events handled per call; more are read in the next one
-
-
-def _own_fd(fd: int | None, uid: int | None, pid: int | None) -> int | None:
-    """``fd`` when the kernel says its socket is the sender's (``uid``, ``pid``: libzmq's word
-    at accept), else None. Frames a closed connection left queued are read after its
-    disconnect event, and its number may be another tenant's connection by then: shedding
-    that number for them shed the other (a junk flood lost other uids' pings)."""
-    if fd is None or uid is None:
-        return fd
-    return fd if peer_credentials(fd) == (uid, pid) else None
 
 
 def monitor_reader(router: zmq.Socket, events: int) -> zmq.Socket:
@@ -99,6 +89,8 @@ class ConnectionGuard:
         self.endpoint = endpoint
         self.monitor = monitor_reader(router, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.open: dict[int, int | None] = {}  # descriptor -> uid of an admitted connection
+        self.pids: dict[int, int | None] = {}  # descriptor -> pid of an admitted connection
+        self.heard: set[int] = set()  # descriptors of admitted connections the loop read a frame of
         self.uid_connections: Counter[int | None] = Counter()
         self.refusing: dict[int, Refusal] = {}  # descriptor -> the connection it is, being refused
         self.listening = False  # the socket file's mode lets peers connect
@@ -192,8 +184,7 @@ class ConnectionGuard:
 
     def _accepted(self, fd: int) -> None:
         limits, caps = self.limits, self.limits.caps
-        creds = peer_credentials(fd)
-        uid = creds[0] if creds else None
+        uid, pid = peer_credentials(fd) or (None, None)
         if not limits.fds_available(0):
             self.regulate()  # close the door first: the next connects are the kernel's to refuse
             self._refuse(fd, "fd_headroom", limits.headroom,
@@ -202,14 +193,14 @@ class ConnectionGuard:
         elif len(self.open) >= caps.max_connections:
             self._refuse(fd, "max_connections", caps.max_connections,
                          f"{len(self.open)} connections are open")
-        elif limits.in_large_backoff(uid):  # before libzmq reads its frames into memory
+        elif limits.in_large_backoff(uid, pid):  # before libzmq reads its frames into memory
             self._backoff_refusal(uid)
             self._shed(fd, 0.0)
         elif self.uid_connections[uid] >= caps.max_connections_per_uid:
             self._refuse(fd, "max_connections_per_uid", caps.max_connections_per_uid,
                          f"uid {uid} has {self.uid_connections[uid]} connections open")
         else:
-            self.open[fd] = uid
+            self.open[fd], self.pids[fd] = uid, pid
             self.uid_connections[uid] += 1
 
     def _backoff_refusal(self, uid: int | None) -> str:
@@ -222,6 +213,8 @@ class ConnectionGuard:
         self.refusing.pop(fd, None)
         if fd in self.open:
             uid = self.open.pop(fd)
+            self.pids.pop(fd, None)
+            self.heard.discard(fd)
             self.uid_connections[uid] -= 1
             if self.uid_connections[uid] <= 0:
                 del self.uid_connections[uid]
@@ -283,7 +276,7 @@ class ConnectionGuard:
                 del self.refusing[fd]
                 shutdown_if_ours(fd, self.path, refusal.ino)
 
-    def recv(self) -> tuple[bytes, list[bytes], list[bytes], str | None]:
+    def recv(self) -> tuple[bytes, list[bytes], list[bytes | memoryview], str | None]:
         """One message of the router: (identity, envelope, body frames, refusal of its
         connection or None).
 
@@ -305,12 +298,17 @@ class ConnectionGuard:
                 refusal = self.refusal_for(fd)
                 if refusal is None:
                     peer = self.limits.peer(identity, frame.get("Peer-Address"), fd)
-                    peer.fd = fd = _own_fd(fd, peer.uid, peer.pid)
+                    peer.fd = fd = own_fd(fd, peer.uid, peer.pid)
                     known = True
-                    if fd is not None and fd not in self.open and self.limits.in_large_backoff(peer.uid):
+                    if fd in self.open:
+                        self.heard.add(fd)
+                    if (fd is not None and fd not in self.open
+                            and self.limits.in_large_backoff(peer.uid, peer.pid)):
                         refusal = self._backoff_refusal(peer.uid)  # read before its accept event
                         self._shed(fd, time.monotonic() + 0.05)
-            parts.append(frame.bytes)
+            # A large frame stays libzmq's (a view, no copy) until it is admitted: one refused
+            # unread, or shed, never costs the loop a copy (a burst of 4 MiB frames did).
+            parts.append(frame.bytes if len(frame) <= LARGE_FRAME_BYTES else frame.buffer)
             if not frame.more:
                 break
         # A DEALER sends [payload]; a REQ sends ["", payload]: answer in kind.
@@ -325,10 +323,12 @@ class ConnectionGuard:
         if peer is not None and peer.fd in self.refusing:
             return ""  # told once already; being shed
         refusal = self.limits.admit_large_frame(identity, size, per_connection_bytes)
-        fd = _own_fd(peer.fd, peer.uid, peer.pid) if peer is not None else None
+        fd = own_fd(peer.fd, peer.uid, peer.pid) if peer is not None else None
         if refusal is not None and fd is not None:
             self._shed(fd, time.monotonic() + 0.05)  # this reply goes first
             self._count_refusal()  # shed senders reconnect: a storm of them closes the door
+        if refusal is not None and peer is not None:
+            self._shed_unheard(peer.uid, peer.pid)
         return refusal
 
     def shedding(self, identity: bytes) -> bool:
@@ -345,11 +345,25 @@ class ConnectionGuard:
         if peer is None or peer.fd is None:
             return
         self.limits.refused["max_request_bytes_in_flight"] += 1
-        self.limits.large_backoff_for(peer.uid)
-        fd = _own_fd(peer.fd, peer.uid, peer.pid)  # None: closed, its number maybe another's now
+        self.limits.large_backoff_for(peer.uid, peer.pid)
+        fd = own_fd(peer.fd, peer.uid, peer.pid)  # None: closed, its number maybe another's now
         if fd is not None:
             self._shed(fd, time.monotonic() + 0.05)
         self._count_refusal()
+        self._shed_unheard(peer.uid, peer.pid)
+
+    def _shed_unheard(self, uid: int | None, pid: int | None) -> None:
+        """A process starting its backoff: its connections the loop has read nothing of yet are
+        shed now, as if they had connected during the backoff. A burst of fresh connections
+        each sending large frames (48 of 4 MiB) is cut at its first refusal instead of read
+        frame by frame while libzmq reads on (each read frees room for the next frame); what
+        libzmq holds for them goes. Connections already heard (an engine's) go on."""
+        if pid is None:
+            return
+        for fd, owner in self.pids.items():
+            if owner == pid and self.open[fd] == uid and fd not in self.heard and fd not in self.refusing:
+                self._shed(fd, 0.0)
+        self.expire_refusals()
 
     def stats(self) -> dict[str, Any]:
         """Open connections, and refusals: of connections, and of anything by cap (every cap

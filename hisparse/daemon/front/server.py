@@ -237,9 +237,12 @@ class Server:
         else:
             known = self.guard.limits.peers.get(identity)
             self.ctx.peer_address = known.address if known is not None else None
+            frame = body[0]
+            large = len(frame) > LARGE_FRAME_BYTES
             try:  # a large frame that is no request at all costs its sender the connection
-                result = dispatch(self.ctx, body[0], identity, None if len(body[0]) <= LARGE_FRAME_BYTES
-                                  else lambda: self.guard.shed_invalid_large(identity), sliced=True)
+                result = dispatch(self.ctx, bytes(frame) if large else frame, identity,
+                                  (lambda: self.guard.shed_invalid_large(identity)) if large else None,
+                                  sliced=True)
             finally:
                 self.ctx.peer_address = None
             if isinstance(result, tuple):  # its reply is finished in the owner's turn too

@@ -67,6 +67,16 @@ def peer_credentials(fd: int) -> tuple[int, int] | None:
         sock.detach()
 
 
+def own_fd(fd: int | None, uid: int | None, pid: int | None) -> int | None:
+    """``fd`` when the kernel says its socket is the sender's (``uid``, ``pid``: libzmq's word
+    at accept), else None. Frames a closed connection left queued are read after its
+    disconnect event, and its number may be another tenant's connection by then: shedding
+    that number for them shed the other (a junk flood lost other uids' pings)."""
+    if fd is None or uid is None:
+        return fd
+    return fd if peer_credentials(fd) == (uid, pid) else None
+
+
 def shutdown_if_ours(fd: int, path: str, ino: int | None) -> bool:
     if ino is None or socket_ino(fd) != ino:
         return False  # the number is another socket's now (libzmq closed the one we meant)

@@ -5,6 +5,7 @@
 - ``peers``      who is on the other end of a connection (SO_PEERCRED).
 - ``proclocks``  which processes hold a fence's lock, from ``/proc``.
 - ``limits``     caps on sessions, connections and descriptors, each by its config key.
+- ``backoff``    which processes (then uids) sit out a backoff for refused large frames.
 - ``quotas``     what one session and one peer may pin or reserve of a namespace.
 - ``contention`` whether those shares bind now (another uid attached, another session short).
 

@@ -12,8 +12,9 @@ names the key, so an operator knows what to raise and an engine what it hit.
 - **Request bytes in flight**: libzmq holds up to RCVHWM + 1 frames of a
   connection (``server.py``), so at most ``max_request_bytes_in_flight`` worth
   of connections may send frames over ``LARGE_FRAME_BYTES`` at once, one uid
-  half of that; one more gets ``QUOTA_EXCEEDED`` and is shed, and its uid's
-  new connections are shed at accept for a backoff (``admit_large_frame``).
+  half of that; one more gets ``QUOTA_EXCEEDED`` and is shed, and its
+  process's new connections are shed at accept for a backoff
+  (``admit_large_frame``, ``policy.backoff``).
 - **File descriptors**: the soft ``RLIMIT_NOFILE`` is raised to the hard one
   at start; a session costs two (its fence file, and the duplicate of it
   Python's mmap keeps), a connection one, and no new one is admitted once
@@ -31,7 +32,8 @@ as ``:uid:gid:pid`` and which ``getsockopt`` reads from an accepted socket).
 Not the pid: one tenant can fork as many processes as it likes, and one
 engine may open a client per request; a uid is the unit the kernel vouches
 for and separates tenants by. Not the hello's ``client`` text: a peer
-claims it. The pid is kept for logs.
+claims it. The pid is kept for logs, and names who backs off after refused
+large frames (``policy.backoff``): a buggy process, not every engine of its user.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from hisparse.daemon.policy.backoff import Backoffs
 from hisparse.protocol import ErrorCode, WireError
 
 log = logging.getLogger(__name__)
@@ -54,9 +57,6 @@ FD_RECOUNT_INTERVAL_S = 1.0
 EDGE_RECOUNT_INTERVAL_S = 0.05
 LARGE_FRAME_BYTES = 256 << 10  # a 4,000-key lookup; most requests are a few KB
 LARGE_SENDER_S = 1.0  # a connection counts as a large sender this long after a large frame
-LARGE_BACKOFF_S = 1.0  # a uid refused large frames has its new connections shed this long,
-LARGE_BACKOFF_MAX_S = 2.0  # doubling while it keeps trying, up to this: short, since an engine
-# of the same uid connecting meanwhile waits it out too (its client resends on reconnect)
 
 
 def raise_fd_limit() -> int:
@@ -141,7 +141,7 @@ class Limits:
         self.fds_since_count = 0  # descriptors admitted since the last count (ends are not subtracted)
         self._counted_s = time.monotonic()
         self.refused: Counter[str] = Counter()  # limit name -> refusals
-        self.large_backoff: dict[int | None, tuple[float, float]] = {}  # uid -> (until, length)
+        self.backoffs = Backoffs()  # processes refused large frames: new connections shed
         self.large_sender_bytes = 0  # what libzmq may hold for one large sender (admit_large_frame)
 
     # -- file descriptors --
@@ -200,9 +200,9 @@ class Limits:
         at most half of it (at least one connection): a connection counts as a
         large sender for LARGE_SENDER_S after each large frame, and past either
         budget a new large sender is refused (and shed). Its uid then sits out
-        a backoff (``in_large_backoff``): its new connections are shed as they
-        are accepted, before libzmq reads their frames, so reconnecting does
-        not buy it room (1 s, doubling while it keeps trying, at most 2 s).
+        a backoff (``in_large_backoff``): its process's new connections are shed
+        as they are accepted, before libzmq reads their frames, so reconnecting
+        does not buy it room (1 s, doubling while it keeps trying, at most 2 s).
         """
         now = time.monotonic()
         self.large_sender_bytes = per_connection_bytes
@@ -221,30 +221,19 @@ class Limits:
             peer.large_until_s = now + LARGE_SENDER_S
             return None
         self.refused["max_request_bytes_in_flight"] += 1
-        self._large_backoff(peer.uid, now)
+        length = self.backoffs.start(peer.uid, peer.pid)
         return (f"request refused: max_request_bytes_in_flight ({budget}) reached: {detail}, each may "
                 f"hold {per_connection_bytes} bytes in the daemon (one uid may use half); new "
-                f"connections of uid {peer.uid} are refused for {self.large_backoff[peer.uid][1]:.0f}s")
+                f"connections of process {peer.pid} (uid {peer.uid}) are refused for {length:.0f}s")
 
-    def large_backoff_for(self, uid: int | None) -> None:
-        """Start (or lengthen) ``uid``'s backoff: its new connections are shed at accept."""
-        self._large_backoff(uid, time.monotonic())
+    def large_backoff_for(self, uid: int | None, pid: int | None) -> None:
+        """Start (or lengthen) a process's backoff: its new connections are shed at accept."""
+        self.backoffs.start(uid, pid)
 
-    def _large_backoff(self, uid: int | None, now: float) -> None:
-        until, length = self.large_backoff.get(uid, (0.0, 0.0))
-        length = min(LARGE_BACKOFF_MAX_S, 2 * length) if now < until + LARGE_BACKOFF_MAX_S else 0.0
-        length = max(length, LARGE_BACKOFF_S)
-        self.large_backoff[uid] = (now + length, length)
-
-    def in_large_backoff(self, uid: int | None) -> bool:
-        """Whether ``uid``'s new connections are shed: it was refused large frames just now."""
-        entry = self.large_backoff.get(uid)
-        if entry is None:
-            return False
-        if entry[0] + LARGE_BACKOFF_MAX_S < time.monotonic():  # long over: forgotten
-            del self.large_backoff[uid]
-            return False
-        return entry[0] > time.monotonic()
+    def in_large_backoff(self, uid: int | None, pid: int | None) -> bool:
+        """Whether a new connection of process ``pid`` of ``uid`` is shed: it (or enough
+        processes of its uid, ``policy.backoff``) was refused large frames just now."""
+        return self.backoffs.holds(uid, pid)
 
     def forget_idle_peers(self) -> None:
         """Drop the records of connections that hold no session nor send large frames (the
