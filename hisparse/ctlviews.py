@@ -55,7 +55,9 @@ def format_caps(d: dict[str, Any]) -> list[str]:
             f"{d['sessions'] + d['control_sessions']}/{caps['max_sessions']} sessions, "
             f"{d['fds_in_use']}/{d['fd_budget']} descriptors (RLIMIT_NOFILE {d['fd_limit']}), "
             f"{format_size(d['request_bytes_in_flight'])}/{format_size(caps['max_request_bytes_in_flight'])}"
-            f" large requests in flight; refused: {refused}"]
+            f" large requests in flight; refused: {refused}"
+            + (f"; socket shut to uid {', '.join(map(str, d['uids_shut_out']))} (a storm of its refused "
+               "connections)" if d.get("uids_shut_out") else "")]
 
 
 def format_cluster(c: dict[str, Any]) -> str:

@@ -30,7 +30,7 @@ from hisparse.protocol.codes import (
     MAX_KEYS_PER_REQUEST, MAX_NAMESPACE_CHARS, MAX_REPLY_ENTRIES, MIN_KEY_BYTES, REPLY_FIELDS,
     SESSIONLESS_OPS, SLOT_BUSY, SLOT_COMMITTED, VERSION, ErrorCode, Op, WireError, error_for_code,
 )
-from hisparse.protocol.scan import leading_id
+from hisparse.protocol.scan import leading_fields, leading_id
 from hisparse.protocol.frames import (
     Reply, decode_reply, encode_error, encode_ok, encode_request, request_id, unpack_map,
 )
@@ -47,5 +47,5 @@ __all__ = [
     "AdminRequest", "ErrorCode", "EventsRequest", "HelloRequest", "KeysPageRequest", "KeysRequest",
     "Op", "PagesRequest", "PingRequest", "PublishRequest", "Reply", "Request", "SessionRequest",
     "WireError", "decode_reply", "decode_request", "encode_error", "encode_ok", "encode_request",
-    "error_for_code", "leading_id", "request_id", "unpack_map",
+    "error_for_code", "leading_fields", "leading_id", "request_id", "unpack_map",
 ]

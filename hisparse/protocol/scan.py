@@ -341,17 +341,30 @@ def leading_id(frame: bytes) -> int | None:
     instead of leaving it to its timeout. None when it is not there, or the head is no
     request map: such a frame's sender gets an unaddressed reply, as before. ``frame`` may be
     any buffer (a frame refused unread is never copied whole): its head is read as bytes."""
+    return leading_fields(frame)[0]
+
+
+def leading_fields(frame: bytes) -> tuple[int | None, str | None]:
+    """(``id``, ``op``) read from the head of a frame as ``leading_id`` reads the id: what a
+    request refused unread is (a release is never refused for read-ahead), None for each
+    not found there."""
     frame = bytes(frame[:LEADING_HEAD_BYTES])
     w = _Walker(frame)
+    op = None
     try:
         shape = w.container(frame[w.need(1)])
         if shape is None or shape[0] != "map":
-            return None
+            return None, None
         for _ in range(min(shape[1], LEADING_FIELDS)):
-            if w.field_name() == "id":
+            name = w.field_name()
+            if name == "id":
                 w.request_id()
-                return w.rid
-            w.scalar(frame[w.need(1)])
+            elif name == "op" and 0xa0 <= frame[w.pos] <= 0xbf:
+                op = w.field_name()  # a short string, as every op's name is
+            else:
+                w.scalar(frame[w.need(1)])
+            if w.rid is not None and op is not None:
+                break
     except (WireError, IndexError):
-        return None
-    return None
+        pass
+    return w.rid, op

@@ -10,8 +10,8 @@ import threading
 import time
 
 from hisparse import KVLayout, protocol
-from hisparse.daemon.front.fairness import MAX_QUEUED, MAX_QUEUED_BYTES, FairQueue
-from hisparse.protocol import Op
+from hisparse.daemon.front.fairness import MAX_QUEUED, MAX_QUEUED_BYTES, FairQueue, overflow_refusal
+from hisparse.protocol import ErrorCode, Op
 from tests.rawclient import RawClient
 from tests.tenants import ATTACKER_UID, holding_as_user, needs_root
 from tests.tenants import tenant_daemon  # noqa: F401 - a fixture
@@ -61,6 +61,27 @@ def test_reading_ahead_stops_at_its_count_or_bytes_and_drain_gives_back_everythi
     assert q.count == 0 and q.nbytes == 0 and q.room()
     q.put(7, b"c7", "big", MAX_QUEUED_BYTES)
     assert not q.room()
+
+
+def test_past_its_bound_the_queue_refuses_only_a_crowding_uids_requests_and_never_a_release():
+    q = FairQueue()
+    for i in range(MAX_QUEUED):
+        q.put(1000, b"flood-%d" % (i % 50), ("flood", i), 100)
+    q.put(2000, b"engine", ("engine", 0), 100)  # another uid: short of an even share
+    assert not q.room() and q.overflow_room()
+    assert q.crowding(1000) and not q.crowding(2000) and not q.crowding(3000)
+    refusal = protocol.decode_reply(overflow_refusal(protocol.encode_request(Op.HELLO, 41), 1000, q))
+    assert refusal.id == 41 and refusal.error_code == ErrorCode.QUOTA_EXCEEDED.value
+    assert "uid 1000's, the most of any" in refusal.error_message
+    for op in (Op.BYE, Op.COMMIT, Op.ABORT, Op.UNPIN):  # a release is queued all the same
+        assert overflow_refusal(protocol.encode_request(op, 42, session=1), 1000, q) is None
+    for i in range(MAX_QUEUED - 1):
+        q.put(2000, b"engine", ("engine", i + 1), 1)
+    assert not q.overflow_room()  # twice the bound: reads wait
+    taken = q.round()
+    assert taken == [("flood", 0), ("engine", 0)] and q.per_uid == {1000: MAX_QUEUED - 1, 2000: MAX_QUEUED - 1}
+    q.drain()
+    assert q.per_uid == {} and not q.crowding(1000)
 
 
 # -- in a real daemon, with real other users --

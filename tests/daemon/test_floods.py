@@ -15,12 +15,13 @@ import time
 
 import pytest
 
-from benchmarks.hostile import BOUNDS_PEER, forked_bounds_peers, fresh_pings, hostile_peers, peak_rss_bytes
-from hisparse.daemon.policy.backoff import UID_PROCESSES, Backoffs
+from benchmarks.hostile_probe import (BOUNDS_PEER, forked_bounds_peers, fresh_pings, fresh_pings_as, hostile_peers,
+                                      peak_rss_bytes)
 from hisparse import KVLayout, protocol
+from hisparse.daemon.policy.backoff import UID_PROCESSES, Backoffs
 from hisparse.protocol import Op
 from tests.rawclient import RawClient, keys_for
-from tests.tenants import ATTACKER_UID, needs_root
+from tests.tenants import ATTACKER_UID, OTHER_UID, needs_root
 from tests.tenants import tenant_daemon  # noqa: F401 - a fixture
 
 LAYOUT = KVLayout(num_layers=3, block_tokens=4, row_bytes=16)
@@ -31,17 +32,19 @@ PER_CONNECTION_BYTES = 3 * protocol.MAX_FRAME_BYTES
 # (fresh_pings counts one as 5 s; before the fix a junk flood lost new connections' pings).
 SLOW_S = 1.0
 
-FLOODS = {
-    "malformed frames from 4 connections": (["junk", "4"], 4),
-    "hello storm": (["hellos"], 0),
-    "48 connections of frames just under the limit": (["frames", "48", str(protocol.MAX_FRAME_BYTES)], 48),
+FLOODS = {  # kinds, connections, whether its reconnects storm (its uid's door then shuts)
+    "malformed frames from 4 connections": (["junk", "4"], 4, False),
+    "hello storm": (["hellos"], 0, True),
+    "48 connections of frames just under the limit": (["frames", "48", str(protocol.MAX_FRAME_BYTES)], 48, True),
 }
 
 
 @needs_root
 @pytest.mark.parametrize("flood", list(FLOODS))
 def test_a_flood_of_one_uid_costs_another_uid_nothing(tenant_daemon, flood):
-    kinds, connections = FLOODS[flood]
+    """The new connections ping as a third uid, not root: root ignores the socket file's
+    permissions, so only another user meets a door shut (a storm shut it to every uid)."""
+    kinds, connections, storms = FLOODS[flood]
     d = tenant_daemon()
     engine = RawClient(d.socket)
     try:
@@ -50,19 +53,22 @@ def test_a_flood_of_one_uid_costs_another_uid_nothing(tenant_daemon, flood):
         assert engine.store(keys, [b"e" * LAYOUT.page_bytes] * 8) == 8
         idle_rss = peak_rss_bytes(d.pid)
         with forked_bounds_peers(d.socket, [kinds], ATTACKER_UID):
-            fresh = fresh_pings(d.socket, 200)
+            fresh = fresh_pings_as(OTHER_UID, d.socket, 200)
             lookups = []
             for _ in range(40):
                 t0 = time.perf_counter()
                 assert engine.call(Op.LOOKUP, keys=keys)["count"] == 8
                 lookups.append(time.perf_counter() - t0)
             peak = peak_rss_bytes(d.pid)
+            shut = engine.call(Op.STATS)["daemon"]["uid_door_closures"]
         assert max(fresh) < SLOW_S, f"{flood}: a new connection's ping took {max(fresh):.3f} s"
         assert max(lookups) < SLOW_S, f"{flood}: a lookup took {max(lookups):.3f} s"
         # the daemon's memory: at most what libzmq may hold for each flooding connection, and
         # for the hello storm, sessions (each a few KB) up to max_sessions_per_uid
         bound = (64 << 20) + connections * PER_CONNECTION_BYTES
         assert peak - idle_rss < bound, f"{flood}: {(peak - idle_rss) >> 20} MiB more than idle"
+        if storms:
+            assert shut > 0, f"{flood}: the attacker's uid was never shut out"
         assert engine.call(Op.PING)  # and the daemon serves on
     finally:
         engine.close()

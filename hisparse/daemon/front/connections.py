@@ -37,8 +37,9 @@ import zmq
 import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
-from hisparse.daemon.front.door import DoorWatch
+from hisparse.daemon.front.door import MODE_LOCK, DoorWatch
 from hisparse.daemon.front.shedding import Refusal, own_fd, peer_credentials, shutdown_if_ours, socket_ino
+from hisparse.daemon.front.uid_door import UidDoors
 from hisparse.daemon.policy.limits import CAP_KEYS, FDS_PER_CONNECTION, LARGE_FRAME_BYTES, Limits
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,6 @@ MAX_REFUSING = 16  # refusals answered at once; more are shed at once, unanswere
 SOCKET_MODE = 0o660
 BACKLOG = 16  # connects the kernel queues for libzmq to accept: well within any headroom
 REOPEN_MARGIN_FDS = 16
-STORM_WINDOW_S = 1.0
-MAX_REFUSALS_PER_S = 64
-STORM_CLOSE_S = 1.0
 LOG_INTERVAL_S = 5.0
 MAX_EVENTS_PER_READ = 256  # monitor events handled per call; more are read in the next one
 
@@ -90,13 +88,11 @@ class ConnectionGuard:
         self.monitor = monitor_reader(router, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.open: dict[int, int | None] = {}  # descriptor -> uid of an admitted connection
         self.pids: dict[int, int | None] = {}  # descriptor -> pid of an admitted connection
-        self.heard: set[int] = set()  # descriptors of admitted connections the loop read a frame of
+        self.heard: set[int] = set()  # descriptors of connections the loop read a frame of
         self.uid_connections: Counter[int | None] = Counter()
         self.refusing: dict[int, Refusal] = {}  # descriptor -> the connection it is, being refused
         self.listening = False  # the socket file's mode lets peers connect
-        self._closed_until_s = 0.0
-        self._window_s = 0.0  # refusals counted since then
-        self._window_refusals = 0
+        self.uid_doors = UidDoors(socket_path, SOCKET_MODE)  # the door shut to one storming uid
         self.refused: Counter[str] = Counter()
         self._logged_s = 0.0
         self.door: DoorWatch | None = None  # the watch that shuts the door without the loop
@@ -157,26 +153,23 @@ class ConnectionGuard:
         new connect (EACCES) before libzmq could accept it, while every
         connection already open goes on. (Root ignores modes: a root peer is
         only shed.) At most the listen backlog (``BACKLOG``) is accepted after.
-        A storm of refused connections (more than ``MAX_REFUSALS_PER_S``: peers
-        past their caps reconnecting) closes it for ``STORM_CLOSE_S`` too: each
-        refusal costs the loop an accept, and open connections go first.
+        A storm of refused connections (peers past their caps reconnecting)
+        shuts the door to the storming uid alone (``front.uid_door``).
         """
-        limits, now = self.limits, time.monotonic()
-        storm = self._window_refusals > MAX_REFUSALS_PER_S
-        if self.listening and (storm or not limits.fds_available(0)):
+        limits = self.limits
+        self.uid_doors.reopen_due()
+        if self.listening and not limits.fds_available(0):
             if self.door is not None:
                 self.door.watching = False
-            os.chmod(self.path, 0)
+            with MODE_LOCK:
+                os.chmod(self.path, 0)
             self.listening = False
             self.door_closures += 1
-            self._closed_until_s = now + (STORM_CLOSE_S if storm else 0.0)
-            why = (f"{self._window_refusals} connections refused within {STORM_WINDOW_S}s" if storm else
-                   f"{limits.fds_in_use} of RLIMIT_NOFILE {limits.fd_limit} descriptors in use "
-                   f"(headroom {limits.headroom} kept free)")
-            log.warning("closed the socket to new connections: %s", why)
-        elif (not self.listening and now >= self._closed_until_s
-              and limits.recount_if_stale() + REOPEN_MARGIN_FDS <= limits.fd_budget):
-            os.chmod(self.path, SOCKET_MODE)
+            log.warning("closed the socket to new connections: %d of RLIMIT_NOFILE %d descriptors in "
+                        "use (headroom %d kept free)", limits.fds_in_use, limits.fd_limit, limits.headroom)
+        elif not self.listening and limits.recount_if_stale() + REOPEN_MARGIN_FDS <= limits.fd_budget:
+            with MODE_LOCK:
+                os.chmod(self.path, SOCKET_MODE)
             self.listening = True
             if self.door is not None:
                 self.door.watching = True
@@ -187,17 +180,17 @@ class ConnectionGuard:
         uid, pid = peer_credentials(fd) or (None, None)
         if not limits.fds_available(0):
             self.regulate()  # close the door first: the next connects are the kernel's to refuse
-            self._refuse(fd, "fd_headroom", limits.headroom,
+            self._refuse(fd, uid, "fd_headroom", limits.headroom,
                          f"{limits.fds_in_use} of RLIMIT_NOFILE {limits.fd_limit} descriptors in use",
                          now=True)
         elif len(self.open) >= caps.max_connections:
-            self._refuse(fd, "max_connections", caps.max_connections,
+            self._refuse(fd, uid, "max_connections", caps.max_connections,
                          f"{len(self.open)} connections are open")
         elif limits.in_large_backoff(uid, pid):  # before libzmq reads its frames into memory
             self._backoff_refusal(uid)
             self._shed(fd, 0.0)
         elif self.uid_connections[uid] >= caps.max_connections_per_uid:
-            self._refuse(fd, "max_connections_per_uid", caps.max_connections_per_uid,
+            self._refuse(fd, uid, "max_connections_per_uid", caps.max_connections_per_uid,
                          f"uid {uid} has {self.uid_connections[uid]} connections open")
         else:
             self.open[fd], self.pids[fd] = uid, pid
@@ -205,23 +198,25 @@ class ConnectionGuard:
 
     def _backoff_refusal(self, uid: int | None) -> str:
         self.refused["max_request_bytes_in_flight"] += 1
-        self._count_refusal()
+        self.uid_doors.refused(uid)
         return (f"connection refused: max_request_bytes_in_flight ({self.limits.caps.max_request_bytes_in_flight}"
-                f") reached: uid {uid} was refused large frames and its new connections wait out a backoff")
+                f") reached: this process of uid {uid} was refused large frames and its new connections wait "
+                "out a backoff")
 
     def _gone(self, fd: int) -> None:
         self.refusing.pop(fd, None)
+        self.heard.discard(fd)
         if fd in self.open:
             uid = self.open.pop(fd)
             self.pids.pop(fd, None)
-            self.heard.discard(fd)
             self.uid_connections[uid] -= 1
             if self.uid_connections[uid] <= 0:
                 del self.uid_connections[uid]
 
-    def _refuse(self, fd: int, key: str, limit: int, detail: str, *, now: bool = False) -> None:
+    def _refuse(self, fd: int, uid: int | None, key: str, limit: int, detail: str, *,
+                now: bool = False) -> None:
         self.refused[key] += 1
-        self._count_refusal()
+        self.uid_doors.refused(uid)
         message = f"connection refused: {key} ({limit}) reached: {detail}"
         if now or len(self.refusing) >= MAX_REFUSING:  # a flood of them is shed unanswered
             self._shed(fd, 0.0)  # at the end of this batch of events: expire_refusals
@@ -230,13 +225,6 @@ class ConnectionGuard:
         if time.monotonic() - self._logged_s > LOG_INTERVAL_S:
             self._logged_s = time.monotonic()
             log.warning("%s (refusals so far: %s)", message, dict(self.refused))
-
-    def _count_refusal(self) -> None:
-        if time.monotonic() - self._window_s > STORM_WINDOW_S:
-            self._window_s, self._window_refusals = time.monotonic(), 0
-        self._window_refusals += 1
-        if self.listening and self._window_refusals > MAX_REFUSALS_PER_S:
-            self.regulate()
 
     def _shed(self, fd: int, deadline_s: float, message: str = "") -> None:
         """Shed the connection open as ``fd`` now, at ``deadline_s`` (``expire_refusals``)."""
@@ -300,7 +288,7 @@ class ConnectionGuard:
                     peer = self.limits.peer(identity, frame.get("Peer-Address"), fd)
                     peer.fd = fd = own_fd(fd, peer.uid, peer.pid)
                     known = True
-                    if fd in self.open:
+                    if fd is not None:  # perhaps before its accept event: kept by _accepted
                         self.heard.add(fd)
                     if (fd is not None and fd not in self.open
                             and self.limits.in_large_backoff(peer.uid, peer.pid)):
@@ -326,7 +314,7 @@ class ConnectionGuard:
         fd = own_fd(peer.fd, peer.uid, peer.pid) if peer is not None else None
         if refusal is not None and fd is not None:
             self._shed(fd, time.monotonic() + 0.05)  # this reply goes first
-            self._count_refusal()  # shed senders reconnect: a storm of them closes the door
+            self.uid_doors.refused(peer.uid)  # shed senders reconnect: a storm shuts their uid out
         if refusal is not None and peer is not None:
             self._shed_unheard(peer.uid, peer.pid)
         return refusal
@@ -349,7 +337,7 @@ class ConnectionGuard:
         fd = own_fd(peer.fd, peer.uid, peer.pid)  # None: closed, its number maybe another's now
         if fd is not None:
             self._shed(fd, time.monotonic() + 0.05)
-        self._count_refusal()
+        self.uid_doors.refused(peer.uid)
         self._shed_unheard(peer.uid, peer.pid)
 
     def _shed_unheard(self, uid: int | None, pid: int | None) -> None:
@@ -368,10 +356,11 @@ class ConnectionGuard:
     def stats(self) -> dict[str, Any]:
         """Open connections, and refusals: of connections, and of anything by cap (every cap
         key, 0 included; ``fd_headroom`` counts connections and sessions refused for descriptors),
-        and how often the socket's door was shut."""
+        how often the socket's door was shut, to all and to one storming uid, and who is shut out."""
         return {"connections": len(self.open), "connections_refused": sum(self.refused.values()),
                 "cap_refusals": {key: self.refused[key] + self.limits.refused[key] for key in CAP_KEYS},
-                "socket_closures": self.door_closures}
+                "socket_closures": self.door_closures, "uid_door_closures": self.uid_doors.closures,
+                "uids_shut_out": sorted(self.uid_doors.shut)}
 
     def close(self) -> None:
         if self.door is not None:

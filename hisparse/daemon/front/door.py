@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 INTERVAL_S = 0.002
 FAR_INTERVAL_S = 0.02  # while more than FAR_FDS below the threshold
 FAR_FDS = 4096  # more connections than a flood completes in FAR_INTERVAL_S
+MODE_LOCK = threading.Lock()  # the socket file's mode and its ACL (front.uid_door) change under it
 
 
 class DoorWatch:
@@ -58,7 +59,8 @@ class DoorWatch:
             if fd >= self.threshold and self.watching:
                 self.watching = False
                 try:
-                    os.chmod(self.path, 0)
+                    with MODE_LOCK:
+                        os.chmod(self.path, 0)
                 except OSError:
                     log.exception("could not close the socket to new connections")
                     continue

@@ -21,14 +21,28 @@ one from the same connection as the read before it (ZeroMQ takes
 connections in turn, so that connection alone had requests waiting), or one
 whose uid is the only one with connections open (no other uid to take turns
 with, and ZeroMQ's reads are already the turns per connection).
+
+Past ``MAX_QUEUED`` the loop reads on, ``OVERFLOW_READS`` frames between two
+rounds (up to twice the bound): ZeroMQ hands over a new connection's first
+request only after one of every other connection's, so a queue that stopped
+reading when full made a ping on a new connection wait for a flood's requests
+to be served one by one (a hello storm: up to 0.2 s). What such a read finds
+from a ``crowding`` uid (one holding at least an even share of the queue) is
+refused at once (``QUOTA_EXCEEDED``), unless it releases something (``bye``,
+``commit``, ``abort``, ``unpin``): a flood is refused, not a tenant that waits
+its turn.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-MAX_QUEUED = 256  # requests read ahead of serving
-MAX_QUEUED_BYTES = 16 << 20  # ... or this many bytes of them
+from hisparse import protocol
+from hisparse.protocol import ErrorCode, Op
+
+MAX_QUEUED = 2048  # requests read ahead of serving; past it, only a uid short of its share's
+MAX_QUEUED_BYTES = 16 << 20  # ... or this many bytes of them: reads wait
+OVERFLOW_READS = 64  # reads past MAX_QUEUED before the next round is served
 
 
 class FairQueue:
@@ -37,10 +51,20 @@ class FairQueue:
         self.queues: dict[object, dict[bytes, deque]] = {}
         self.count = 0
         self.nbytes = 0
+        self.per_uid: dict[object, int] = {}  # requests queued of each uid
 
     def room(self) -> bool:
         """Whether to read more before serving."""
         return self.count < MAX_QUEUED and self.nbytes < MAX_QUEUED_BYTES
+
+    def overflow_room(self) -> bool:
+        """Whether to read on past ``room`` (refusing what ``crowding`` uids send): up to twice
+        MAX_QUEUED, never past MAX_QUEUED_BYTES."""
+        return self.count < 2 * MAX_QUEUED and self.nbytes < MAX_QUEUED_BYTES
+
+    def crowding(self, uid: object) -> bool:
+        """Whether ``uid`` holds at least an even share of what is queued (a flood's uid does)."""
+        return self.per_uid.get(uid, 0) * len(self.queues) >= self.count > 0
 
     def _queue(self, uid: object, connection: bytes) -> deque:
         conns = self.queues.get(uid)
@@ -55,11 +79,13 @@ class FairQueue:
         self._queue(uid, connection).append((item, size))
         self.count += 1
         self.nbytes += size
+        self.per_uid[uid] = self.per_uid.get(uid, 0) + 1
 
     def put_front(self, uid: object, connection: bytes, item: tuple) -> None:
         """``item`` first in its connection's queue: the rest of a request served in slices."""
         self._queue(uid, connection).appendleft((item, 0))
         self.count += 1
+        self.per_uid[uid] = self.per_uid.get(uid, 0) + 1
 
     def round(self) -> list[tuple]:
         """One request of each uid that has any, in order of first arrival; of a uid's
@@ -72,10 +98,12 @@ class FairQueue:
             item, size = queue.popleft()
             taken.append(item)
             self.nbytes -= size
+            self.per_uid[uid] -= 1
             if queue:
                 conns[connection] = queue  # to the back of its uid's turns
             elif not conns:
                 del self.queues[uid]
+                del self.per_uid[uid]
         self.count -= len(taken)
         return taken
 
@@ -83,5 +111,23 @@ class FairQueue:
         """Everything still queued (shutdown), in arrival order per connection."""
         items = [item for conns in self.queues.values() for queue in conns.values() for item, _ in queue]
         self.queues.clear()
+        self.per_uid.clear()
         self.count = self.nbytes = 0
         return items
+
+
+RELEASES = frozenset({Op.BYE.value, Op.COMMIT.value, Op.ABORT.value, Op.UNPIN.value})
+
+
+def overflow_refusal(frame, uid: object, queue: FairQueue) -> bytes | None:
+    """The reply refusing ``frame`` (read past MAX_QUEUED from a crowding ``uid``) unread, or
+    None when it releases something and is queued after all. Its id and op are read from
+    its head (``protocol.leading_fields``), so the caller hears it at once."""
+    rid, op = protocol.leading_fields(frame)
+    if op in RELEASES:
+        return None
+    return protocol.encode_error(
+        rid, ErrorCode.QUOTA_EXCEEDED,
+        f"request refused unread: the daemon has {queue.count} requests waiting (bound {MAX_QUEUED}), "
+        f"{queue.per_uid.get(uid, 0)} of them uid {uid}'s, the most of any: sent again once they "
+        "are served, it is")

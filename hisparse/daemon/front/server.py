@@ -26,7 +26,7 @@ from hisparse import protocol
 from hisparse.daemon.front import notify
 from hisparse.daemon.front.connections import ConnectionGuard
 from hisparse.daemon.front.dispatch import EXPRESS_FRAME_BYTES, dispatch, express, finish, resume, serve_request
-from hisparse.daemon.front.fairness import FairQueue
+from hisparse.daemon.front.fairness import OVERFLOW_READS, FairQueue, overflow_refusal
 from hisparse.daemon.front.outbox import Outbox
 from hisparse.daemon.front.timers import eviction_log, loop_lag, ready_then_watchdog, reaper
 from hisparse.daemon.ops.handlers import DaemonContext
@@ -159,12 +159,15 @@ class Server:
             # 2 us; a request served as read takes one (after its reply: does more wait?).
             idle = False
             expressed = 0  # pings and heartbeats answered as read (dispatch.express), this batch
+            overflow = 0  # reads past the queue's bound since the last round (fairness.py)
             while True:  # read what waits (cheap), then serve one request of each uid in turn
-                while fair.room():
+                while fair.room() or overflow < OVERFLOW_READS and fair.overflow_room():
                     if reads and not waiting(_EVENTS) & _POLLIN:  # woken: the first read tries
                         idle = True
                         break
                     reads += 1
+                    full = not fair.room()
+                    overflow += full
                     if reads % 16 == 0 and guard.on_events():  # not kept waiting by a busy batch;
                         asyncio.get_running_loop().call_soon(self._on_connection_events)  # edge went
                     try:
@@ -199,13 +202,18 @@ class Server:
                         continue
                     self._last_read = identity
                     if refusal != "":  # "": its connection was told why, once; being shed
-                        fair.put(self._uid(identity), identity,
-                                 (self._handle, identity, envelope, body, refusal), size)
+                        uid = self._uid(identity)
+                        if refusal is None and full and fair.crowding(uid) and len(body) == 1:
+                            reply = overflow_refusal(body[0], uid, fair)  # a flood, past the bound
+                            if reply is not None:
+                                self._send([identity, *envelope, reply])
+                                continue
+                        fair.put(uid, identity, (self._handle, identity, envelope, body, refusal), size)
                 if not fair.count:
                     break
                 for fn, *args in fair.round():
                     fn(*args)
-                idle, reads = False, max(reads, 1)  # a send may have taken the edge
+                idle, reads, overflow = False, max(reads, 1), 0  # a send may have taken the edge
                 if time.monotonic() > deadline:
                     break  # a backlog, or what arrived meanwhile: served in the next batch
             # ZeroMQ's fd is edge-triggered and a send can swallow the edge:
