@@ -118,4 +118,7 @@ def bounds_main(seconds: float, connections: list[int], uid: int | None = None, 
           f"{'SIGTERM':>7}")
     for name, kinds in bounds_attacks(connections):
         if only in name:
-            run_bounds_attack(name, kinds, seconds, uid, probe_uid)
+            try:
+                run_bounds_attack(name, kinds, seconds, uid, probe_uid)
+            except Exception as exc:  # noqa: BLE001 - one attack's failure is a row, not the end
+                print(f"{name:<34} failed: {type(exc).__name__}: {exc}")

@@ -69,7 +69,8 @@ def test_past_its_bound_the_queue_refuses_only_a_crowding_uids_requests_and_neve
         q.put(1000, b"flood-%d" % (i % 50), ("flood", i), 100)
     q.put(2000, b"engine", ("engine", 0), 100)  # another uid: short of an even share
     assert not q.room() and q.overflow_room()
-    assert q.crowding(1000) and not q.crowding(2000) and not q.crowding(3000)
+    assert q.crowding(1000, b"flood-7") and not q.crowding(2000, b"engine") and not q.crowding(3000, b"x")
+    assert not q.crowding(1000, b"engine-of-1000")  # the flood's user, nothing queued: never refused
     refusal = protocol.decode_reply(overflow_refusal(protocol.encode_request(Op.HELLO, 41), 1000, q))
     assert refusal.id == 41 and refusal.error_code == ErrorCode.QUOTA_EXCEEDED.value
     assert "uid 1000's, the most of any" in refusal.error_message
@@ -81,7 +82,7 @@ def test_past_its_bound_the_queue_refuses_only_a_crowding_uids_requests_and_neve
     taken = q.round()
     assert taken == [("flood", 0), ("engine", 0)] and q.per_uid == {1000: MAX_QUEUED - 1, 2000: MAX_QUEUED - 1}
     q.drain()
-    assert q.per_uid == {} and not q.crowding(1000)
+    assert q.per_uid == {} and not q.crowding(1000, b"flood-7")
 
 
 # -- in a real daemon, with real other users --

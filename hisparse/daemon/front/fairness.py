@@ -62,9 +62,16 @@ class FairQueue:
         MAX_QUEUED, never past MAX_QUEUED_BYTES."""
         return self.count < 2 * MAX_QUEUED and self.nbytes < MAX_QUEUED_BYTES
 
-    def crowding(self, uid: object) -> bool:
-        """Whether ``uid`` holds at least an even share of what is queued (a flood's uid does)."""
-        return self.per_uid.get(uid, 0) * len(self.queues) >= self.count > 0
+    def crowding(self, uid: object, connection: bytes) -> bool:
+        """Whether ``uid`` holds at least an even share of what is queued (a flood's uid does) and
+        ``connection`` at least an even share of its uid's: an engine of the flood's user with
+        nothing queued is never refused for the connections of the same user that flood."""
+        n = self.per_uid.get(uid, 0)
+        if n * len(self.queues) < self.count or not self.count:
+            return False
+        conns = self.queues[uid]
+        mine = len(conns.get(connection, ()))
+        return mine > 0 and mine * len(conns) >= n
 
     def _queue(self, uid: object, connection: bytes) -> deque:
         conns = self.queues.get(uid)
@@ -120,7 +127,7 @@ RELEASES = frozenset({Op.BYE.value, Op.COMMIT.value, Op.ABORT.value, Op.UNPIN.va
 
 
 def overflow_refusal(frame, uid: object, queue: FairQueue) -> bytes | None:
-    """The reply refusing ``frame`` (read past MAX_QUEUED from a crowding ``uid``) unread, or
+    """The reply refusing ``frame`` (read past MAX_QUEUED from a crowding connection of ``uid``) unread, or
     None when it releases something and is queued after all. Its id and op are read from
     its head (``protocol.leading_fields``), so the caller hears it at once."""
     rid, op = protocol.leading_fields(frame)

@@ -203,7 +203,7 @@ class Server:
                     self._last_read = identity
                     if refusal != "":  # "": its connection was told why, once; being shed
                         uid = self._uid(identity)
-                        if refusal is None and full and fair.crowding(uid) and len(body) == 1:
+                        if refusal is None and full and fair.crowding(uid, identity) and len(body) == 1:
                             reply = overflow_refusal(body[0], uid, fair)  # a flood, past the bound
                             if reply is not None:
                                 self._send([identity, *envelope, reply])
