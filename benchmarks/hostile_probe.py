@@ -120,6 +120,9 @@ def hostile_peers(socket_path: str, kinds: list[list[str]], script: str = PEER) 
 def forked_bounds_peers(socket_path: str, kinds: list[list[str]], uid: int) -> Iterator[list[int]]:
     """``bounds_peer.py``'s attacks in forked children running as ``uid`` (in the daemon's
     group, as an engine of another tenant would be); each is flooding once this yields."""
+    from benchmarks import bounds_peer  # imported here: that uid may not read this checkout
+    import hisparse.shm.fence  # noqa: F401 - what bounds_peer imports as it runs
+
     pids, reads = [], []
     os.chmod(os.path.dirname(socket_path), 0o755)  # the other uid reaches the socket by its group
     for kind in kinds:
@@ -133,8 +136,6 @@ def forked_bounds_peers(socket_path: str, kinds: list[list[str]], uid: int) -> I
                 os.setgroups([])
                 os.setgid(os.getgid())
                 os.setuid(uid)
-                sys.path.insert(0, os.path.dirname(BOUNDS_PEER))
-                import bounds_peer
                 bounds_peer.main([socket_path, *kind])
             finally:
                 os._exit(1)

@@ -346,10 +346,12 @@ class ConnectionGuard:
         each sending large frames (48 of 4 MiB) is cut at its first refusal instead of read
         frame by frame while libzmq reads on (each read frees room for the next frame); what
         libzmq holds for them goes. Connections already heard (an engine's) go on."""
-        if pid is None:
+        whole = self.limits.backoffs.uid_wide(uid)  # a forking flooder: all of its uid's
+        if pid is None and not whole:
             return
         for fd, owner in self.pids.items():
-            if owner == pid and self.open[fd] == uid and fd not in self.heard and fd not in self.refusing:
+            if ((whole or owner == pid) and self.open[fd] == uid and fd not in self.heard
+                    and fd not in self.refusing):
                 self._shed(fd, 0.0)
         self.expire_refusals()
 

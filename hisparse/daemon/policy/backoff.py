@@ -52,8 +52,13 @@ class Backoffs:
             return True
         if entry is not None and entry[0] + LARGE_BACKOFF_MAX_S < now:
             del self.entries[(uid, pid)]  # long over: forgotten
+        return self.uid_wide(uid)
+
+    def uid_wide(self, uid: int | None) -> bool:
+        """Whether every process of ``uid`` backs off: ``UID_PROCESSES`` of them do."""
         if uid is None or len(self.entries) < UID_PROCESSES:
             return False
+        now = time.monotonic()
         return sum(1 for (u, _), (until, _) in self.entries.items() if u == uid and until > now) >= UID_PROCESSES
 
     def _sweep(self, now: float) -> None:
