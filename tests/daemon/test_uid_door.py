@@ -13,7 +13,6 @@ import socket
 import stat
 import tempfile
 
-from hisparse.daemon.front import uid_door
 from hisparse.daemon.front.door import MODE_LOCK
 from hisparse.daemon.front.uid_door import MAX_REFUSALS_PER_S, UidDoors, acl_denying
 from tests.tenants import ATTACKER_UID, OTHER_UID, as_user, needs_root
@@ -57,8 +56,7 @@ def test_the_acl_keeps_the_mode_and_names_each_uid_sorted():
 
 
 @needs_root
-def test_a_storming_uid_is_shut_out_alone_and_let_back_in(tmp_path, monkeypatch):
-    monkeypatch.setattr(uid_door, "CLOSE_S", 0.5)
+def test_a_storming_uid_is_shut_out_alone_and_let_back_in(tmp_path):
     server, path = _listening(tmp_path)
     doors = UidDoors(path, MODE)
     try:
@@ -101,6 +99,29 @@ def test_root_and_the_daemons_own_uid_are_never_shut_out(tmp_path):
             doors.refused(None)
         assert not doors.shut and doors.closures == 0
         assert _connect(path) == 0
+    finally:
+        server.close()
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+@needs_root
+def test_shutting_a_uid_out_never_reopens_a_door_shut_to_all(tmp_path):
+    """The descriptor budget shut the door to every uid (mode 0); a storm's ACL written then
+    keeps it shut, and the door opening again (mode back) lets the others in, not the stormer."""
+    server, path = _listening(tmp_path)
+    doors = UidDoors(path, MODE)
+    try:
+        with MODE_LOCK:
+            os.chmod(path, 0)
+        for _ in range(MAX_REFUSALS_PER_S + 1):
+            doors.refused(ATTACKER_UID)
+        assert doors.is_shut(ATTACKER_UID)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0
+        assert as_user(OTHER_UID, lambda: _connect(path)) == {"ok": errno.EACCES}
+        with MODE_LOCK:
+            os.chmod(path, MODE)
+        assert as_user(OTHER_UID, lambda: _connect(path)) == {"ok": 0}
+        assert as_user(ATTACKER_UID, lambda: _connect(path)) == {"ok": errno.EACCES}
     finally:
         server.close()
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
